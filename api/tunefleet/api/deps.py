@@ -1,0 +1,53 @@
+"""Request dependencies: settings, a database session, the calling principal."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+from sqlalchemy.orm import Session
+
+from tunefleet.platform.artifacts import ArtifactStore
+from tunefleet.platform.db import session_factory
+from tunefleet.platform.models import ModelRegistry
+from tunefleet.platform.settings import Settings
+from tunefleet.platform.tenants import Principal, authenticate
+
+
+def get_settings_dep(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_session(settings: Annotated[Settings, Depends(get_settings_dep)]) -> Iterator[Session]:
+    """A session per request. Routes commit what they write before they answer, so a
+    client that reads right after a write sees it."""
+    session = session_factory(settings.resolved_database_url)()
+    try:
+        yield session
+    finally:
+        session.rollback()
+        session.close()
+
+
+def get_principal(
+    session: Annotated[Session, Depends(get_session)],
+    authorization: Annotated[str | None, Header()] = None,
+) -> Principal:
+    return authenticate(session, authorization)
+
+
+def get_store(settings: Annotated[Settings, Depends(get_settings_dep)]) -> ArtifactStore:
+    return ArtifactStore(settings.resolved_artifact_root)
+
+
+def get_registry(settings: Annotated[Settings, Depends(get_settings_dep)]) -> ModelRegistry:
+    return ModelRegistry(settings.resolved_model_registry)
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+StoreDep = Annotated[ArtifactStore, Depends(get_store)]
+RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]

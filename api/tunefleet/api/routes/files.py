@@ -1,0 +1,121 @@
+"""``/v1/files``: upload (streamed to the artifact store, validated), list, get, content,
+delete. A file that fails validation is not kept."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Form, Request, UploadFile
+from fastapi.responses import StreamingResponse
+from sqlalchemy import select
+
+from tunefleet.api.deps import PrincipalDep, SessionDep, SettingsDep, StoreDep
+from tunefleet.platform.datasets import raise_for_report, validate_file
+from tunefleet.platform.db import File, now_s
+from tunefleet.platform.errors import InvalidRequest, NotFound, PayloadTooLarge
+from tunefleet.platform.ids import new_id
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+PURPOSES = {"fine-tune"}
+
+
+def file_view(f: File) -> dict[str, Any]:
+    return {
+        "id": f.id,
+        "object": "file",
+        "bytes": f.bytes,
+        "created_at": f.created_at,
+        "filename": f.filename,
+        "purpose": f.purpose,
+        "status": f.status,
+        "status_details": None,
+        "tunefleet": {"format": f.format, "stats": f.stats},
+    }
+
+
+def _get(session: SessionDep, principal: PrincipalDep, file_id: str) -> File:
+    f = session.get(File, file_id)
+    if f is None or f.tenant_id != principal.tenant_id:
+        raise NotFound(f"no file with id {file_id!r}", param="file_id")
+    return f
+
+
+@router.post("")
+async def upload_file(
+    request: Request,
+    file: UploadFile,
+    purpose: Annotated[str, Form()],
+    session: SessionDep,
+    principal: PrincipalDep,
+    store: StoreDep,
+    settings: SettingsDep,
+) -> dict[str, Any]:
+    if purpose not in PURPOSES:
+        raise InvalidRequest(
+            f"purpose {purpose!r} is not supported; use 'fine-tune'", param="purpose"
+        )
+    declared = int(request.headers.get("content-length") or 0)
+    if declared > settings.max_upload_bytes + 64 * 1024:
+        raise PayloadTooLarge(
+            f"upload of {declared} bytes exceeds the limit of {settings.max_upload_bytes} "
+            "bytes; split the file or raise TUNEFLEET_MAX_UPLOAD_BYTES",
+            param="file",
+        )
+    file_id = new_id("file")
+    key = store.file_key(file_id)
+
+    async def chunks() -> Any:
+        while chunk := await file.read(1 << 20):
+            yield chunk
+
+    size = await store.write_stream(key, chunks(), settings.max_upload_bytes)
+    filename = file.filename or "upload.jsonl"
+    try:
+        report = validate_file(store.path(key))
+        raise_for_report(report, filename)
+        row = File(
+            id=file_id, tenant_id=principal.tenant_id, filename=filename, purpose=purpose,
+            bytes=size, status="processed", format=report.format,
+            stats={"examples": report.examples}, path=key, created_at=now_s(),
+        )
+        session.add(row)
+        session.commit()
+    except BaseException:
+        store.delete(key)
+        raise
+    return file_view(row)
+
+
+@router.get("")
+def list_files(
+    session: SessionDep, principal: PrincipalDep, purpose: str | None = None
+) -> dict[str, Any]:
+    query = select(File).where(File.tenant_id == principal.tenant_id)
+    if purpose:
+        query = query.where(File.purpose == purpose)
+    rows = session.scalars(query.order_by(File.created_at.desc(), File.id))
+    return {"object": "list", "data": [file_view(f) for f in rows], "has_more": False}
+
+
+@router.get("/{file_id}")
+def get_file(file_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+    return file_view(_get(session, principal, file_id))
+
+
+@router.get("/{file_id}/content")
+def file_content(
+    file_id: str, session: SessionDep, principal: PrincipalDep, store: StoreDep
+) -> StreamingResponse:
+    f = _get(session, principal, file_id)
+    return StreamingResponse(store.read_chunks(f.path), media_type="application/jsonl")
+
+
+@router.delete("/{file_id}")
+def delete_file(
+    file_id: str, session: SessionDep, principal: PrincipalDep, store: StoreDep
+) -> dict[str, Any]:
+    f = _get(session, principal, file_id)
+    session.delete(f)
+    session.commit()
+    store.delete(f.path)
+    return {"id": file_id, "object": "file", "deleted": True}

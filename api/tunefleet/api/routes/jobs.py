@@ -1,0 +1,148 @@
+"""``/v1/fine_tuning/jobs``: OpenAI's paths and shapes, scoped to the caller's tenant."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep
+from tunefleet.platform.db import Checkpoint, Job
+from tunefleet.platform.errors import NotFound
+from tunefleet.platform.jobs import (
+    JobCreateRequest,
+    create_job,
+    event_view,
+    get_job,
+    job_view,
+    list_events,
+)
+from tunefleet.platform.status import JobStatus, transition
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+S = JobStatus
+
+
+@router.post("")
+def create(
+    body: JobCreateRequest,
+    session: SessionDep,
+    principal: PrincipalDep,
+    registry: RegistryDep,
+    idempotency_key: Annotated[str | None, Header()] = None,
+) -> dict[str, Any]:
+    def existing() -> Job | None:
+        if idempotency_key is None:
+            return None
+        return session.scalar(select(Job).where(
+            Job.tenant_id == principal.tenant_id, Job.idempotency_key == idempotency_key))
+
+    if (job := existing()) is not None:
+        return job_view(job)
+    try:
+        job = create_job(session, principal, body, registry, idempotency_key=idempotency_key)
+        session.commit()
+    except IntegrityError:
+        # A concurrent retry with the same Idempotency-Key won the insert: answer with it.
+        session.rollback()
+        if (job := existing()) is None:
+            raise
+    return job_view(job)
+
+
+@router.get("")
+def list_jobs(
+    request: Request,
+    session: SessionDep,
+    principal: PrincipalDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> dict[str, Any]:
+    query = select(Job).where(Job.tenant_id == principal.tenant_id)
+    if after:
+        anchor = session.get(Job, after)
+        if anchor is None or anchor.tenant_id != principal.tenant_id:
+            raise NotFound(f"no fine-tuning job with id {after!r}", param="after")
+        query = query.where(
+            (Job.created_at < anchor.created_at)
+            | ((Job.created_at == anchor.created_at) & (Job.id < anchor.id))
+        )
+    wanted = _metadata_filter(request)
+    ordered = query.order_by(Job.created_at.desc(), Job.id.desc())
+    rows: list[Job] = []
+    # Metadata is JSON, filtered here so SQLite and PostgreSQL agree; stop at limit + 1.
+    for job in session.scalars(ordered if wanted else ordered.limit(limit + 1)):
+        if all((job.metadata_ or {}).get(k) == v for k, v in wanted.items()):
+            rows.append(job)
+            if len(rows) > limit:
+                break
+    return {
+        "object": "list",
+        "data": [job_view(j) for j in rows[:limit]],
+        "has_more": len(rows) > limit,
+    }
+
+
+def _metadata_filter(request: Request) -> dict[str, str]:
+    """``metadata[key]=value`` query parameters, as the OpenAI SDK sends them."""
+    out: dict[str, str] = {}
+    for key, value in request.query_params.multi_items():
+        if key.startswith("metadata[") and key.endswith("]"):
+            out[key[9:-1]] = value
+    return out
+
+
+@router.get("/{job_id}")
+def retrieve(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+    return job_view(get_job(session, principal, job_id))
+
+
+@router.post("/{job_id}/cancel")
+def cancel(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+    job = get_job(session, principal, job_id)
+    transition(
+        session, job.id, [S.VALIDATING_FILES, S.QUEUED, S.RUNNING, S.PAUSED], S.CANCELLED,
+        "Job cancelled by request",
+    )
+    session.commit()
+    session.refresh(job)
+    return job_view(job)
+
+
+@router.get("/{job_id}/events")
+def events(
+    job_id: str,
+    session: SessionDep,
+    principal: PrincipalDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+) -> dict[str, Any]:
+    job = get_job(session, principal, job_id)
+    rows, has_more = list_events(session, job.id, after=after, limit=limit)
+    return {"object": "list", "data": [event_view(e) for e in rows], "has_more": has_more}
+
+
+@router.get("/{job_id}/checkpoints")
+def checkpoints(
+    job_id: str,
+    session: SessionDep,
+    principal: PrincipalDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 10,
+) -> dict[str, Any]:
+    job = get_job(session, principal, job_id)
+    rows = list(session.scalars(
+        select(Checkpoint).where(Checkpoint.job_id == job.id)
+        .order_by(Checkpoint.step.desc()).limit(limit + 1)
+    ))
+    data = [{
+        "id": c.id,
+        "object": "fine_tuning.job.checkpoint",
+        "created_at": c.created_at,
+        "fine_tuning_job_id": job.id,
+        "fine_tuned_model_checkpoint": f"{job.model}:ckpt-step-{c.step}:{job.id}",
+        "step_number": c.step,
+        "metrics": {"step": c.step, **c.metrics},
+    } for c in rows[:limit]]
+    return {"object": "list", "data": data, "has_more": len(rows) > limit}

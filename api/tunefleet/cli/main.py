@@ -1,0 +1,127 @@
+"""``tunefleet``: run the platform and administer it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+from typing import Annotated
+
+import typer
+
+from tunefleet.platform.db import session_scope
+from tunefleet.platform.db.migrate import downgrade as db_downgrade
+from tunefleet.platform.db.migrate import upgrade as db_upgrade
+from tunefleet.platform.models import ModelRegistry
+from tunefleet.platform.settings import get_settings
+from tunefleet.platform.tenants import create_key, create_tenant
+
+app = typer.Typer(help="TuneFleet: self-hosted fine-tuning.", no_args_is_help=True)
+db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
+models_app = typer.Typer(help="The base-model registry.", no_args_is_help=True)
+admin_app = typer.Typer(help="Tenants and API keys.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(models_app, name="models")
+app.add_typer(admin_app, name="admin")
+
+
+@app.command()
+def up(
+    builtin_model: Annotated[bool, typer.Option(help="Prepare the built-in SmolLM2.")] = True,
+) -> None:
+    """Start everything on this machine: database, local Ray, controller, API, serving."""
+    from tunefleet.cli.stack import running_stack
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = get_settings()
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    with running_stack(settings, builtin_model=builtin_model) as stack:
+        print(f"TuneFleet API at {stack.api_url}  (OpenAI base URL: {stack.api_url}/v1)")
+        if stack.bootstrap_key:
+            print("Created tenant 'default' with an admin API key (shown once):")
+            print(f"  export OPENAI_API_KEY={stack.bootstrap_key}")
+            print(f"  export OPENAI_BASE_URL={stack.api_url}/v1")
+        print("Ready. Ctrl-C stops.", flush=True)
+        done.wait()
+
+
+@app.command()
+def demo() -> None:
+    """Fine-tune the built-in model on the bundled dataset and compare answers."""
+    from tunefleet.cli.demo import run_demo
+
+    run_demo(get_settings())
+
+
+@db_app.command("upgrade")
+def upgrade(revision: str = "head") -> None:
+    """Apply migrations up to REVISION (default: the newest)."""
+    db_upgrade(get_settings().resolved_database_url, revision)
+    typer.echo(f"database at revision {revision}")
+
+
+@db_app.command("downgrade")
+def downgrade(revision: str) -> None:
+    """Revert migrations down to REVISION."""
+    db_downgrade(get_settings().resolved_database_url, revision)
+
+
+@models_app.command("prepare")
+def models_prepare() -> None:
+    """Convert the built-in SmolLM2-135M-Instruct GGUF into the registry (once)."""
+    from tunefleet.workers.model_registry import prepare_builtin
+
+    typer.echo(prepare_builtin(ModelRegistry(get_settings().resolved_model_registry)))
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """List the base models in the registry."""
+    for name in ModelRegistry(get_settings().resolved_model_registry).names():
+        typer.echo(name)
+
+
+@admin_app.command("create-tenant")
+def admin_create_tenant(
+    name: str,
+    max_concurrent_jobs: int = 4,
+    max_gpus: int = 8,
+    with_key: Annotated[bool, typer.Option(help="Also create an API key.")] = True,
+) -> None:
+    """Create a tenant (and a key for it); prints JSON with the key, shown once."""
+    with session_scope(get_settings().resolved_database_url) as s:
+        tenant = create_tenant(s, name, max_concurrent_jobs=max_concurrent_jobs,
+                               max_gpus=max_gpus)
+        out = {"tenant_id": tenant.id, "name": tenant.name}
+        if with_key:
+            key, plaintext = create_key(s, tenant.id, name="initial")
+            out |= {"key_id": key.id, "api_key": plaintext}
+    typer.echo(json.dumps(out))
+
+
+@admin_app.command("create-key")
+def admin_create_key(
+    tenant: str,
+    admin: Annotated[bool, typer.Option(help="Key opens cross-tenant admin routes.")] = False,
+    name: str = "",
+) -> None:
+    """Create an API key for TENANT (name or id); prints JSON with the key, shown once."""
+    from sqlalchemy import or_, select
+
+    from tunefleet.platform.db import Tenant
+
+    with session_scope(get_settings().resolved_database_url) as s:
+        row = s.scalar(select(Tenant).where(or_(Tenant.name == tenant, Tenant.id == tenant)))
+        if row is None:
+            raise typer.BadParameter(f"no tenant {tenant!r}; create it with "
+                                     "`tunefleet admin create-tenant`")
+        key, plaintext = create_key(s, row.id, name=name, is_admin=admin)
+        typer.echo(json.dumps({"tenant_id": row.id, "key_id": key.id, "prefix": key.prefix,
+                               "api_key": plaintext}))
+
+
+if __name__ == "__main__":
+    app()

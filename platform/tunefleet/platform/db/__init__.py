@@ -1,0 +1,29 @@
+"""Database models and sessions."""
+
+from tunefleet.platform.db.models import (
+    Adapter,
+    ApiKey,
+    Base,
+    Checkpoint,
+    File,
+    Job,
+    JobEvent,
+    Tenant,
+    now_s,
+)
+from tunefleet.platform.db.session import get_engine, session_factory, session_scope
+
+__all__ = [
+    "Adapter",
+    "ApiKey",
+    "Base",
+    "Checkpoint",
+    "File",
+    "Job",
+    "JobEvent",
+    "Tenant",
+    "get_engine",
+    "now_s",
+    "session_factory",
+    "session_scope",
+]

@@ -1,0 +1,138 @@
+"""SQLAlchemy 2 models: the database is the single source of truth.
+
+Timestamps are integer Unix seconds, as the OpenAI API reports them. Every change to
+``Job.status`` goes through ``tunefleet.platform.status.transition``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    max_concurrent_jobs: Mapped[int] = mapped_column(Integer, default=4)
+    max_gpus: Mapped[int] = mapped_column(Integer, default=8)
+
+
+class ApiKey(Base):
+    """A bearer key. Only a SHA-256 of the secret is stored; ``prefix`` identifies it."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    prefix: Mapped[str] = mapped_column(String(32), unique=True)
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    revoked_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class File(Base):
+    """An uploaded file; ``path`` is relative to the artifact store root."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(16))
+    format: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    stats: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    path: Mapped[str] = mapped_column(String(1024))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
+        Index("ix_jobs_status", "status"),
+        Index("uq_jobs_tenant_idempotency", "tenant_id", "idempotency_key", unique=True),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(256))
+    training_file: Mapped[str] = mapped_column(String(64))
+    validation_file: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    fine_tuned_model: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    request: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    trained_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    estimated_finish: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    result_files: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    ray_submission_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    updated_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class JobEvent(Base):
+    """One line of a job's history; ``seq`` orders events, ``type`` is message or metrics."""
+
+    __tablename__ = "job_events"
+    __table_args__ = (Index("ix_job_events_job_seq", "job_id", "seq"),)
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    level: Mapped[str] = mapped_column(String(8), default="info")
+    type: Mapped[str] = mapped_column(String(16), default="message")
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+class Checkpoint(Base):
+    """A training checkpoint in the artifact store (``path`` relative to its root)."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (Index("ix_checkpoints_job_step", "job_id", "step"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(String(1024))
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class Adapter(Base):
+    """A servable fine-tuned model: the adapter a succeeded job produced."""
+
+    __tablename__ = "adapters"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), unique=True)
+    name: Mapped[str] = mapped_column(String(512), unique=True)
+    base_model: Mapped[str] = mapped_column(String(256))
+    path: Mapped[str] = mapped_column(String(1024))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)

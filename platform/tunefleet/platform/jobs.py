@@ -1,0 +1,243 @@
+"""Fine-tuning jobs: the create request, turning it into a spec, and OpenAI-shaped views.
+
+``JobCreateRequest`` is the body of ``POST /v1/fine_tuning/jobs``: OpenAI's fields plus
+TuneFleet's own controls under ``tunefleet``. Unknown top-level fields (OpenAI fields
+TuneFleet does not act on, such as ``integrations``) are accepted and kept in the job's
+stored request, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from tunefleet.platform.db.models import File, Job, JobEvent, now_s
+from tunefleet.platform.errors import InvalidRequest, NotFound
+from tunefleet.platform.ids import new_id
+from tunefleet.platform.models import ModelRegistry
+from tunefleet.platform.spec import (
+    AUTO_BATCH_SIZE,
+    AUTO_LR_MULTIPLIER,
+    AUTO_N_EPOCHS,
+    Hyperparameters,
+    JobSpec,
+    TuneFleetOptions,
+    fine_tuned_model_name,
+)
+from tunefleet.platform.status import JobStatus, add_event
+from tunefleet.platform.tenants import Principal
+
+_SUFFIX_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class HyperparametersIn(BaseModel):
+    """OpenAI's hyperparameters; each may be ``"auto"``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n_epochs: int | Literal["auto"] = Field(default="auto", description="Passes over the data.")
+    batch_size: int | Literal["auto"] = Field(default="auto", description="Global batch size.")
+    learning_rate_multiplier: float | Literal["auto"] = Field(
+        default="auto", description="Scales the method's base learning rate."
+    )
+
+
+class SupervisedIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hyperparameters: HyperparametersIn = Field(default_factory=HyperparametersIn)
+
+
+class MethodIn(BaseModel):
+    """OpenAI's ``method`` object. TuneFleet trains ``supervised``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["supervised"] = "supervised"
+    supervised: SupervisedIn | None = None
+
+
+class JobCreateRequest(BaseModel):
+    """Body of ``POST /v1/fine_tuning/jobs``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(description="Base model name, from GET /v1/models.")
+    training_file: str = Field(description="Id of an uploaded file with purpose fine-tune.")
+    validation_file: str | None = Field(default=None, description="Optional evaluation file.")
+    hyperparameters: HyperparametersIn | None = Field(
+        default=None, description="Deprecated by OpenAI in favour of method; still honoured."
+    )
+    method: MethodIn | None = Field(default=None, description="Training method and its knobs.")
+    suffix: str | None = Field(default=None, description="Up to 64 chars in fine_tuned_model.")
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1, description="Reproducibility.")
+    metadata: dict[str, str] | None = Field(default=None, description="Up to 16 string pairs.")
+    tunefleet: TuneFleetOptions | None = Field(
+        default=None, description="TuneFleet's own controls: PEFT method, resources, lengths."
+    )
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: str | None) -> str | None:
+        if v is not None and not _SUFFIX_RE.match(v):
+            raise ValueError(f"suffix {v!r} must be 1-64 letters, digits, '-' or '_'")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None and len(v) > 16:
+            raise ValueError(f"metadata has {len(v)} keys; at most 16 are allowed")
+        return v
+
+    def resolved_hyperparameters(self) -> Hyperparameters:
+        hp = self.hyperparameters or HyperparametersIn()
+        if self.method and self.method.supervised:
+            hp = self.method.supervised.hyperparameters
+        return Hyperparameters(
+            n_epochs=AUTO_N_EPOCHS if hp.n_epochs == "auto" else hp.n_epochs,
+            batch_size=AUTO_BATCH_SIZE if hp.batch_size == "auto" else hp.batch_size,
+            learning_rate_multiplier=AUTO_LR_MULTIPLIER
+            if hp.learning_rate_multiplier == "auto"
+            else hp.learning_rate_multiplier,
+        )
+
+
+def _usable_file(session: Session, principal: Principal, file_id: str, param: str) -> File:
+    file = session.get(File, file_id)
+    if file is None or file.tenant_id != principal.tenant_id:
+        raise NotFound(f"no file with id {file_id!r}; upload one with POST /v1/files", param=param)
+    if file.purpose != "fine-tune":
+        raise InvalidRequest(
+            f"file {file_id} has purpose {file.purpose!r}; upload it with purpose 'fine-tune'",
+            param=param,
+        )
+    if file.status != "processed":
+        raise InvalidRequest(f"file {file_id} is {file.status}, not processed", param=param)
+    return file
+
+
+def create_job(
+    session: Session,
+    principal: Principal,
+    req: JobCreateRequest,
+    registry: ModelRegistry,
+    *,
+    idempotency_key: str | None = None,
+) -> Job:
+    """Validate references, build the spec and store the job in ``validating_files``."""
+    registry.require(req.model)
+    _usable_file(session, principal, req.training_file, "training_file")
+    if req.validation_file:
+        _usable_file(session, principal, req.validation_file, "validation_file")
+    job_id = new_id("job")
+    spec = JobSpec(
+        job_id=job_id,
+        tenant_id=principal.tenant_id,
+        model=req.model,
+        training_file=req.training_file,
+        validation_file=req.validation_file,
+        hyperparameters=req.resolved_hyperparameters(),
+        seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
+        suffix=req.suffix,
+        tunefleet=req.tunefleet or TuneFleetOptions(),
+    )
+    now = now_s()
+    job = Job(
+        id=job_id,
+        tenant_id=principal.tenant_id,
+        status=JobStatus.VALIDATING_FILES.value,
+        model=req.model,
+        training_file=req.training_file,
+        validation_file=req.validation_file,
+        fine_tuned_model=None,
+        spec=spec.model_dump(mode="json"),
+        request=req.model_dump(mode="json", exclude_unset=True),
+        metadata_=req.metadata or {},
+        priority=spec.tunefleet.priority,
+        idempotency_key=idempotency_key,
+        created_at=now,
+        updated_at=now,
+        result_files=[],
+    )
+    session.add(job)
+    session.flush()
+    add_event(session, job_id, f"Created fine-tuning job: {job_id}")
+    return job
+
+
+def get_job(session: Session, principal: Principal, job_id: str) -> Job:
+    job = session.get(Job, job_id)
+    if job is None or job.tenant_id != principal.tenant_id:
+        raise NotFound(f"no fine-tuning job with id {job_id!r}", param="fine_tuning_job_id")
+    return job
+
+
+def job_fine_tuned_name(job: Job, tenant_name: str) -> str:
+    spec = JobSpec.model_validate(job.spec)
+    return fine_tuned_model_name(job.model, tenant_name, spec.suffix, job.id)
+
+
+def job_view(job: Job) -> dict[str, Any]:
+    """The OpenAI ``fine_tuning.job`` object."""
+    spec = JobSpec.model_validate(job.spec)
+    hp = spec.hyperparameters.model_dump()
+    extra = {
+        k: v
+        for k, v in job.request.items()
+        if k not in JobCreateRequest.model_fields
+    }
+    return {
+        "id": job.id,
+        "object": "fine_tuning.job",
+        "created_at": job.created_at,
+        "finished_at": job.finished_at,
+        "status": job.status,
+        "model": job.model,
+        "fine_tuned_model": job.fine_tuned_model,
+        "organization_id": job.tenant_id,
+        "training_file": job.training_file,
+        "validation_file": job.validation_file,
+        "hyperparameters": hp,
+        "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
+        "trained_tokens": job.trained_tokens,
+        "estimated_finish": job.estimated_finish,
+        "error": job.error,
+        "seed": spec.seed,
+        "suffix": spec.suffix,
+        "metadata": job.metadata_ or None,
+        "result_files": job.result_files,
+        "integrations": job.request.get("integrations") or [],
+        "user_provided_suffix": spec.suffix,
+        "tunefleet": {**spec.tunefleet.model_dump(mode="json"), "unused_request_fields": extra},
+    }
+
+
+def event_view(event: JobEvent) -> dict[str, Any]:
+    """The OpenAI ``fine_tuning.job.event`` object."""
+    return {
+        "id": event.id,
+        "object": "fine_tuning.job.event",
+        "created_at": event.created_at,
+        "level": event.level,
+        "message": event.message,
+        "type": event.type,
+        "data": event.data,
+    }
+
+
+def list_events(
+    session: Session, job_id: str, *, after: str | None = None, limit: int = 20
+) -> tuple[list[JobEvent], bool]:
+    """Events newest first (as OpenAI lists them), ``after`` an event id; returns has_more."""
+    query = select(JobEvent).where(JobEvent.job_id == job_id)
+    if after:
+        anchor = session.scalar(select(JobEvent.seq).where(JobEvent.id == after))
+        if anchor is None:
+            raise NotFound(f"no event with id {after!r} for job {job_id}", param="after")
+        query = query.where(JobEvent.seq < anchor)
+    rows = list(session.scalars(query.order_by(JobEvent.seq.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit

@@ -1,0 +1,51 @@
+"""The base-model registry: a folder with one safetensors model per sub-folder.
+
+This module only reads the registry (no torch). The workers fill it, e.g. by converting
+the built-in SmolLM2 GGUF once (``tunefleet models prepare``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tunefleet.platform.errors import InvalidRequest
+
+BUILTIN_MODEL = "SmolLM2-135M-Instruct"
+
+
+class ModelRegistry:
+    def __init__(self, root: Path):
+        self.root = root
+
+    def names(self) -> list[str]:
+        if not self.root.exists():
+            return []
+        return sorted(
+            p.name for p in self.root.iterdir() if (p / "config.json").is_file()
+            and (p / "model.safetensors").is_file()
+        )
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def config(self, name: str) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.path(name) / "config.json").read_text())
+        return data
+
+    def require(self, name: str, *, param: str = "model") -> Path:
+        """The folder of ``name``, or a 400 that lists what is available."""
+        available = self.names()
+        if name not in available:
+            listing = ", ".join(available) if available else "none yet"
+            hint = (
+                "" if available else "; run `tunefleet models prepare` to add the built-in "
+                f"{BUILTIN_MODEL}"
+            )
+            raise InvalidRequest(
+                f"unknown base model {name!r}; available models: {listing}{hint}",
+                param=param,
+                code="model_not_found",
+            )
+        return self.path(name)

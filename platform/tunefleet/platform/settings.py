@@ -1,0 +1,82 @@
+"""Process settings, read from the environment (prefix ``TUNEFLEET_``) behind ``get_settings()``.
+
+Nothing here is built at import time: call ``get_settings()`` where a value is needed, and
+``get_settings.cache_clear()`` in tests that change the environment.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every knob a TuneFleet process reads. Each field maps to ``TUNEFLEET_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="TUNEFLEET_", extra="ignore", frozen=True)
+
+    data_dir: Path = Field(
+        default=Path(".data"),
+        description="Root for the embedded defaults: SQLite file, artifacts, model registry.",
+    )
+    database_url: str = Field(
+        default="",
+        description="SQLAlchemy URL. Empty means a SQLite file `tunefleet.db` in data_dir.",
+    )
+    artifact_root: Path | None = Field(
+        default=None,
+        description="Artifact store root (uploads, checkpoints, adapters). Default data_dir/artifacts.",
+    )
+    model_registry: Path | None = Field(
+        default=None,
+        description="Folder of base models in safetensors form, one sub-folder each. "
+        "Default data_dir/models.",
+    )
+    ray_address: str = Field(
+        default="",
+        description="Ray cluster to use (`ray://...`, `auto` or host:port). Empty starts a local one.",
+    )
+    ray_dashboard_url: str = Field(
+        default="",
+        description="Ray Jobs API base URL. Empty: the local cluster's dashboard.",
+    )
+    ray_num_cpus: int | None = Field(
+        default=None, description="Logical CPUs of a locally started Ray (None: Ray's own count)."
+    )
+    api_host: str = Field(default="127.0.0.1", description="Address the REST API binds to.")
+    api_port: int = Field(default=8080, description="Port the REST API listens on.")
+    serve_host: str = Field(default="127.0.0.1", description="Ray Serve HTTP proxy host.")
+    serve_port: int = Field(default=8000, description="Ray Serve HTTP proxy port.")
+    max_upload_bytes: int = Field(
+        default=512 * 1024 * 1024, description="Largest accepted file upload, in bytes."
+    )
+    controller_interval_s: float = Field(
+        default=0.5, description="Seconds between two passes of the controller loop."
+    )
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'tunefleet.db').resolve()}"
+
+    @property
+    def resolved_artifact_root(self) -> Path:
+        return (self.artifact_root or self.data_dir / "artifacts").resolve()
+
+    @property
+    def resolved_model_registry(self) -> Path:
+        return (self.model_registry or self.data_dir / "models").resolve()
+
+    @property
+    def serve_url(self) -> str:
+        return f"http://{self.serve_host}:{self.serve_port}"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()

@@ -1,0 +1,111 @@
+"""The job state machine: states, the transition table, and the one function that writes status.
+
+``transition`` is a compare-and-set: it updates the row only if the job is still in one of
+the expected states, and writes an event row in the same transaction (the caller's
+session; the caller commits). Two writers racing on one job cannot both win.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from tunefleet.platform.db.models import Job, JobEvent, now_s
+from tunefleet.platform.errors import Conflict
+from tunefleet.platform.ids import new_id
+
+
+class JobStatus(StrEnum):
+    VALIDATING_FILES = "validating_files"
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+S = JobStatus
+TERMINAL: frozenset[JobStatus] = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED})
+
+# from -> the states it may move to. RUNNING -> QUEUED is a retry after a lost run.
+TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    S.VALIDATING_FILES: frozenset({S.QUEUED, S.FAILED, S.CANCELLED}),
+    S.QUEUED: frozenset({S.RUNNING, S.PAUSED, S.FAILED, S.CANCELLED}),
+    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.PAUSED, S.QUEUED}),
+    S.PAUSED: frozenset({S.QUEUED, S.CANCELLED}),
+    S.SUCCEEDED: frozenset(),
+    S.FAILED: frozenset(),
+    S.CANCELLED: frozenset(),
+}
+
+
+def can_transition(src: JobStatus, dst: JobStatus) -> bool:
+    return dst in TRANSITIONS[src]
+
+
+def add_event(
+    session: Session,
+    job_id: str,
+    message: str,
+    *,
+    level: str = "info",
+    type: str = "message",
+    data: dict[str, Any] | None = None,
+) -> JobEvent:
+    """Append one event to a job's history (in the caller's transaction)."""
+    event = JobEvent(
+        id=new_id("event"),
+        job_id=job_id,
+        created_at=now_s(),
+        level=level,
+        type=type,
+        message=message,
+        data=data,
+    )
+    session.add(event)
+    return event
+
+
+def transition(
+    session: Session,
+    job_id: str,
+    expected: JobStatus | Iterable[JobStatus],
+    to: JobStatus,
+    message: str,
+    *,
+    level: str = "info",
+    data: dict[str, Any] | None = None,
+    **fields: Any,
+) -> None:
+    """Move ``job_id`` from one of ``expected`` to ``to``, setting ``fields`` too.
+
+    Raises ``Conflict`` naming the current state when the job is no longer in ``expected``
+    (someone else moved it first) and ``ValueError`` for a move the table forbids.
+    """
+    sources = {expected} if isinstance(expected, JobStatus) else set(expected)
+    for src in sources:
+        if not can_transition(src, to):
+            raise ValueError(f"job transition {src.value} -> {to.value} is not allowed")
+    values: dict[str, Any] = {"status": to.value, "updated_at": now_s(), **fields}
+    if to in TERMINAL:
+        values.setdefault("finished_at", now_s())
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status.in_([s.value for s in sources]))
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        current = session.get(Job, job_id)
+        state = current.status if current is not None else "missing"
+        raise Conflict(
+            f"job {job_id} is {state}, not {' or '.join(sorted(s.value for s in sources))}; "
+            f"it cannot move to {to.value}",
+            code="invalid_state",
+        )
+    add_event(session, job_id, message, level=level, data=data)

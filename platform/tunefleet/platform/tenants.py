@@ -1,0 +1,106 @@
+"""Tenants and API keys. A key is shown once; only its SHA-256 is stored, and the
+``tf-XXXXXXXX`` prefix identifies it in listings and logs."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from tunefleet.platform.db.models import ApiKey, Tenant, now_s
+from tunefleet.platform.errors import Conflict, InvalidRequest, Unauthenticated
+from tunefleet.platform.ids import new_id
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+PREFIX_LEN = 11  # "tf-" + 8
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the tenant every query is scoped to, and whether admin routes open."""
+
+    tenant_id: str
+    tenant_name: str
+    key_id: str
+    is_admin: bool
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def create_tenant(
+    session: Session, name: str, *, max_concurrent_jobs: int = 4, max_gpus: int = 8
+) -> Tenant:
+    if not _NAME_RE.match(name):
+        raise InvalidRequest(
+            f"tenant name {name!r} is invalid; use 1-63 lowercase letters, digits and '-'",
+            param="name",
+        )
+    if session.scalar(select(Tenant).where(Tenant.name == name)) is not None:
+        raise Conflict(f"tenant {name!r} already exists", param="name")
+    tenant = Tenant(
+        id=new_id("tenant"),
+        name=name,
+        created_at=now_s(),
+        max_concurrent_jobs=max_concurrent_jobs,
+        max_gpus=max_gpus,
+    )
+    session.add(tenant)
+    session.flush()
+    return tenant
+
+
+def create_key(
+    session: Session, tenant_id: str, *, name: str = "", is_admin: bool = False
+) -> tuple[ApiKey, str]:
+    """A new key row and the plaintext key, which is not stored and cannot be shown again."""
+    plaintext = "tf-" + secrets.token_urlsafe(32).replace("-", "x").replace("_", "y")
+    key = ApiKey(
+        id=new_id("key"),
+        tenant_id=tenant_id,
+        name=name,
+        prefix=plaintext[:PREFIX_LEN],
+        secret_hash=_hash(plaintext),
+        is_admin=is_admin,
+        created_at=now_s(),
+    )
+    session.add(key)
+    session.flush()
+    return key, plaintext
+
+
+def authenticate(session: Session, authorization: str | None) -> Principal:
+    """Resolve an ``Authorization: Bearer tf-...`` header to a principal, or raise 401."""
+    if not authorization or not authorization.lower().startswith("bearer "):
+        raise Unauthenticated(
+            "missing API key; send 'Authorization: Bearer tf-...' (create one with "
+            "`tunefleet admin create-key`)"
+        )
+    token = authorization[7:].strip()
+    key = session.scalar(select(ApiKey).where(ApiKey.prefix == token[:PREFIX_LEN]))
+    if key is None or key.revoked_at is not None or not hmac.compare_digest(
+        key.secret_hash, _hash(token)
+    ):
+        shown = token[:PREFIX_LEN] + "..." if len(token) > PREFIX_LEN else "(short key)"
+        raise Unauthenticated(f"API key {shown} is not valid or was revoked")
+    tenant = session.get(Tenant, key.tenant_id)
+    assert tenant is not None  # FK
+    return Principal(
+        tenant_id=tenant.id, tenant_name=tenant.name, key_id=key.id, is_admin=key.is_admin
+    )
+
+
+def ensure_bootstrap_tenant(session: Session, name: str = "default") -> str | None:
+    """First start: create tenant ``name`` with an admin key and return the plaintext key.
+    Returns None when tenants already exist."""
+    if session.scalar(select(Tenant.id).limit(1)) is not None:
+        return None
+    tenant = create_tenant(session, name)
+    _, plaintext = create_key(session, tenant.id, name="bootstrap", is_admin=True)
+    return plaintext

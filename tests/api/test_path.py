@@ -1,0 +1,145 @@
+"""The API half of the thin path, on SQLite and PostgreSQL: upload, create a job, read it
+back, events, cancel; and the errors this path promises."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi.testclient import TestClient
+
+from tunefleet.platform.settings import Settings
+
+CHAT = {"messages": [{"role": "user", "content": "what color"},
+                     {"role": "assistant", "content": "red"}]}
+TINY = "tiny-llama"
+
+
+def H(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def upload(client: TestClient, key: str, body: bytes, name: str = "train.jsonl") -> dict:  # type: ignore[type-arg]
+    resp = client.post("/v1/files", headers=H(key), data={"purpose": "fine-tune"},
+                       files={"file": (name, body, "application/jsonl")})
+    return {"http_status": resp.status_code, **resp.json()}
+
+
+def test_upload_create_get_list_cancel(app_client: TestClient, key_a: str) -> None:
+    f = upload(app_client, key_a, (json.dumps(CHAT) + "\n").encode() * 3)
+    assert f["http_status"] == 200 and f["object"] == "file" and f["status"] == "processed"
+    assert f["tunefleet"] == {"format": "chat", "stats": {"examples": 3}}
+    body = {"model": TINY, "training_file": f["id"], "suffix": "demo",
+            "metadata": {"team": "x"}, "integrations": [{"type": "wandb"}],
+            "tunefleet": {"lora": {"r": 4}, "max_steps": 3}}
+    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body)
+    assert resp.status_code == 200, resp.text
+    job = resp.json()
+    assert job["id"].startswith("ftjob-") and job["object"] == "fine_tuning.job"
+    assert job["status"] == "validating_files" and job["model"] == TINY
+    assert job["hyperparameters"] == {"n_epochs": 3, "batch_size": 4,
+                                      "learning_rate_multiplier": 1.0}
+    assert job["tunefleet"]["lora"]["r"] == 4
+    assert job["integrations"] == [{"type": "wandb"}]  # accepted and recorded
+    assert job["metadata"] == {"team": "x"}
+    got = app_client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=H(key_a)).json()
+    assert got == job
+    listed = app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()
+    assert [j["id"] for j in listed["data"]] == [job["id"]]
+    assert app_client.get("/v1/fine_tuning/jobs?metadata[team]=y",
+                          headers=H(key_a)).json()["data"] == []
+    cancelled = app_client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel", headers=H(key_a))
+    assert cancelled.json()["status"] == "cancelled"
+    again = app_client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel", headers=H(key_a))
+    assert again.status_code == 409 and "is cancelled" in again.json()["error"]["message"]
+    events = app_client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", headers=H(key_a)).json()
+    assert [e["message"] for e in events["data"]] == [
+        "Job cancelled by request", f"Created fine-tuning job: {job['id']}"]
+
+
+def test_non_json_line_is_a_400_naming_the_line(
+    app_client: TestClient, key_a: str, settings: Settings
+) -> None:
+    body = (json.dumps(CHAT) + "\n").encode() + b"this is not json\n"
+    f = upload(app_client, key_a, body)
+    assert f["http_status"] == 400
+    assert f["error"]["type"] == "invalid_request_error" and f["error"]["param"] == "file"
+    assert "line 2: not valid JSON" in f["error"]["message"]
+    # nothing half-stored: no row, no artifact
+    assert app_client.get("/v1/files", headers=H(key_a)).json()["data"] == []
+    assert list((settings.resolved_artifact_root / "files").glob("*")) == []
+
+
+def test_unknown_base_model_lists_the_available_ones(app_client: TestClient, key_a: str) -> None:
+    f = upload(app_client, key_a, (json.dumps(CHAT) + "\n").encode())
+    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a),
+                           json={"model": "gpt-9", "training_file": f["id"]})
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["param"] == "model" and err["code"] == "model_not_found"
+    assert "'gpt-9'" in err["message"] and TINY in err["message"]
+
+
+def test_unknown_file_id_is_a_404(app_client: TestClient, key_a: str) -> None:
+    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a),
+                           json={"model": TINY, "training_file": "file-nope"})
+    assert resp.status_code == 404
+    assert resp.json()["error"]["param"] == "training_file"
+    assert "file-nope" in resp.json()["error"]["message"]
+
+
+def test_oversize_upload_is_413_and_keeps_nothing(
+    app_client: TestClient, key_a: str, settings: Settings
+) -> None:
+    line = (json.dumps(CHAT) + "\n").encode()
+    body = line * (settings.max_upload_bytes // len(line) + 10)
+    f = upload(app_client, key_a, body)
+    assert f["http_status"] == 413 and str(settings.max_upload_bytes) in f["error"]["message"]
+    assert list((settings.resolved_artifact_root / "files").glob("*")) == []
+
+
+def test_missing_or_bad_key_is_401(app_client: TestClient) -> None:
+    assert app_client.get("/v1/fine_tuning/jobs").status_code == 401
+    resp = app_client.get("/v1/fine_tuning/jobs", headers=H("tf-notarealkey123"))
+    assert resp.status_code == 401 and "tf-notareal" in resp.json()["error"]["message"]
+
+
+def test_other_tenants_objects_are_404(app_client: TestClient, key_a: str, key_b: str) -> None:
+    f = upload(app_client, key_a, (json.dumps(CHAT) + "\n").encode())
+    job = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a),
+                          json={"model": TINY, "training_file": f["id"]}).json()
+    for path in (f"/v1/files/{f['id']}", f"/v1/fine_tuning/jobs/{job['id']}",
+                 f"/v1/fine_tuning/jobs/{job['id']}/events"):
+        assert app_client.get(path, headers=H(key_b)).status_code == 404
+    assert app_client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel",
+                           headers=H(key_b)).status_code == 404
+    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_b),
+                           json={"model": TINY, "training_file": f["id"]})
+    assert resp.status_code == 404
+    assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_b)).json()["data"] == []
+
+
+def test_idempotency_key_returns_the_same_job(app_client: TestClient, key_a: str) -> None:
+    f = upload(app_client, key_a, (json.dumps(CHAT) + "\n").encode())
+    body = {"model": TINY, "training_file": f["id"]}
+    hdrs = {**H(key_a), "Idempotency-Key": "k-1"}
+    first = app_client.post("/v1/fine_tuning/jobs", headers=hdrs, json=body).json()
+    second = app_client.post("/v1/fine_tuning/jobs", headers=hdrs, json=body).json()
+    assert first["id"] == second["id"]
+    assert len(app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"]) == 1
+
+
+def test_schema_errors_use_openai_shape(app_client: TestClient, key_a: str) -> None:
+    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a),
+                           json={"model": TINY, "training_file": "f",
+                                 "tunefleet": {"lora": {"r": 0}}})
+    assert resp.status_code == 422
+    err = resp.json()["error"]
+    assert err["param"] == "tunefleet.lora.r" and err["type"] == "invalid_request_error"
+
+
+def test_models_lists_registry(app_client: TestClient, key_a: str) -> None:
+    data = app_client.get("/v1/models", headers=H(key_a)).json()["data"]
+    assert [m["id"] for m in data] == [TINY]
+    missing = app_client.post("/v1/chat/completions", headers=H(key_a),
+                              json={"model": "ft:nope", "messages": []})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

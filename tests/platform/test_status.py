@@ -1,0 +1,65 @@
+"""The job state machine: every pair of states, compare-and-set, and the event row."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from sqlalchemy import select
+
+from tunefleet.platform.db import Job, JobEvent, session_scope
+from tunefleet.platform.errors import Conflict
+from tunefleet.platform.status import TERMINAL, TRANSITIONS, JobStatus, can_transition, transition
+from tunefleet.platform.tenants import create_tenant
+
+S = JobStatus
+
+
+def _job(url: str, status: JobStatus) -> str:
+    with session_scope(url) as s:
+        tenant = create_tenant(s, f"t{abs(hash(status.value)) % 10**8}-{id(s) % 1000}")
+        job = Job(id=f"ftjob-{status.value}-{id(s)}", tenant_id=tenant.id, status=status.value,
+                  model="m", training_file="f", spec={}, request={}, metadata_={},
+                  result_files=[], priority=0, attempt=0)
+        s.add(job)
+        return job.id
+
+
+def test_terminal_states_have_no_way_out() -> None:
+    for state in TERMINAL:
+        assert TRANSITIONS[state] == frozenset()
+    assert set(TRANSITIONS) == set(JobStatus)
+
+
+@pytest.mark.parametrize("src,dst", list(itertools.product(JobStatus, JobStatus)))
+def test_every_pair_of_states(src: JobStatus, dst: JobStatus, migrated_url: str) -> None:
+    job_id = _job(migrated_url, src)
+    with session_scope(migrated_url) as s:
+        if can_transition(src, dst):
+            transition(s, job_id, src, dst, f"{src} -> {dst}")
+        else:
+            with pytest.raises(ValueError, match=f"{src.value} -> {dst.value}"):
+                transition(s, job_id, src, dst, "forbidden")
+    with session_scope(migrated_url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        events = list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id)))
+        if can_transition(src, dst):
+            assert job.status == dst.value
+            assert [e.message for e in events] == [f"{src} -> {dst}"]
+            assert (job.finished_at is not None) == (dst in TERMINAL)
+        else:
+            assert job.status == src.value
+            assert events == []
+
+
+def test_compare_and_set_loses_to_the_first_writer(migrated_url: str) -> None:
+    job_id = _job(migrated_url, S.QUEUED)
+    with session_scope(migrated_url) as s:
+        transition(s, job_id, S.QUEUED, S.CANCELLED, "cancelled by user")
+    with session_scope(migrated_url) as s, pytest.raises(Conflict, match="is cancelled"):
+        transition(s, job_id, S.QUEUED, S.RUNNING, "dispatch")
+    with session_scope(migrated_url) as s:
+        assert s.get(Job, job_id).status == "cancelled"  # type: ignore[union-attr]
+        n = len(list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id))))
+        assert n == 1

@@ -1,0 +1,60 @@
+"""Tiny random Llama models and a small tokenizer, built on the fly for tests (no hub)."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(folder: Path) -> None:
+    """A byte-level BPE over a small corpus, with ChatML special tokens and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        " ".join(string.ascii_lowercase),
+        "user assistant system the a an is of to and in what color name number",
+        "red green blue yellow apple banana cherry one two three four five six seven",
+    ] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        bos_token=None, unk_token=None,
+    )
+    fast.chat_template = CHATML
+    fast.save_pretrained(folder)
+
+
+def build_tiny_llama(folder: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64) -> Path:
+    """Write a random Llama (safetensors) and the tokenizer into ``folder``."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder

@@ -1,0 +1,1 @@
+"""The Ray side of TuneFleet: the Ray adapter, the controller, training and serving."""

@@ -1,0 +1,159 @@
+"""The Ray adapter: the only module that calls Ray's cluster, Jobs and Serve APIs.
+
+A *run* is one Ray job (Jobs API) whose driver trains one fine-tuning job; its submission
+id is ``{job_id}-{attempt}``, so a resubmission after a crash is idempotent. The same code
+path serves a local Ray started in-process (embedded default) and a remote cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from tunefleet.platform.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# Ray job states, spelled as Ray spells them.
+PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"
+NOT_FOUND = "NOT_FOUND"
+TERMINAL_RAY = {SUCCEEDED, FAILED, STOPPED}
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    status: str
+    message: str = ""
+
+
+class RayBackend:
+    """Connects to (or starts) Ray and submits, follows and stops runs; deploys Serve apps."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self._client: Any = None
+        self._serve_started = False
+
+    # -- cluster -----------------------------------------------------------------------
+    def connect(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            dashboard = self.settings.ray_dashboard_url or _dashboard_of(ray)
+            log.info("reusing Ray session %s", ctx.gcs_address)
+        elif self.settings.ray_address:
+            ray.init(address=self.settings.ray_address, log_to_driver=False)
+            dashboard = self.settings.ray_dashboard_url or _dashboard_of(ray)
+        else:
+            info = ray.init(
+                num_cpus=self.settings.ray_num_cpus,
+                include_dashboard=True,
+                dashboard_host="127.0.0.1",
+                log_to_driver=False,
+                # Runs get the same interpreter and packages as this process.
+                runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
+            )
+            dashboard = "http://" + info.dashboard_url
+        from ray.job_submission import JobSubmissionClient
+
+        self._client = JobSubmissionClient(dashboard)
+        log.info("Ray Jobs API at %s", dashboard)
+
+    def cluster_resources(self) -> dict[str, float]:
+        import ray
+
+        return {k: float(v) for k, v in ray.cluster_resources().items()}
+
+    # -- runs (Ray Jobs API) -----------------------------------------------------------
+    def submit_run(self, submission_id: str, job_id: str, env: dict[str, str]) -> None:
+        """Start the training driver for ``job_id``. Submitting an id that exists is a no-op."""
+        if self.run_status(submission_id).status != NOT_FOUND:
+            return
+        self._client.submit_job(
+            entrypoint=f"{sys.executable} -m tunefleet.workers.train.driver {job_id}",
+            submission_id=submission_id,
+            runtime_env={"env_vars": {**_passthrough_env(), **env}},
+            metadata={"tunefleet_job_id": job_id},
+        )
+
+    def run_status(self, submission_id: str) -> RunInfo:
+        try:
+            info = self._client.get_job_info(submission_id)
+        except RuntimeError as exc:  # the Jobs API answers 404 as a RuntimeError
+            if "404" in str(exc) or "does not exist" in str(exc):
+                return RunInfo(NOT_FOUND)
+            raise
+        return RunInfo(str(info.status.value), info.message or "")
+
+    def run_logs_tail(self, submission_id: str, lines: int = 20) -> str:
+        try:
+            logs: str = self._client.get_job_logs(submission_id)
+        except RuntimeError:
+            return ""
+        return "\n".join(logs.strip().splitlines()[-lines:])
+
+    def stop_run(self, submission_id: str) -> None:
+        try:
+            self._client.stop_job(submission_id)
+        except RuntimeError as exc:
+            log.warning("stopping %s: %s", submission_id, exc)
+
+    # -- serving (Ray Serve) -----------------------------------------------------------
+    def deploy_model_server(self, base_model: str, model_path: str) -> str:
+        """Deploy (or keep) the Serve application for ``base_model``; returns its route."""
+        from ray import serve
+
+        from tunefleet.workers.serve.app import build_app, route_prefix
+
+        if not self._serve_started:
+            serve.start(
+                http_options={"host": self.settings.serve_host, "port": self.settings.serve_port}
+            )
+            self._serve_started = True
+        name = app_name(base_model)
+        prefix = route_prefix(base_model)
+        status = serve.status().applications.get(name)
+        if status is not None and str(status.status) in {"RUNNING", "ApplicationStatus.RUNNING"}:
+            return prefix
+        serve.run(
+            build_app(
+                base_model=base_model,
+                model_path=model_path,
+                artifact_root=str(self.settings.resolved_artifact_root),
+            ),
+            name=name,
+            route_prefix=prefix,
+        )
+        return prefix
+
+    def shutdown(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            try:
+                from ray import serve
+
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+
+
+def app_name(base_model: str) -> str:
+    return "tunefleet-" + "".join(c if c.isalnum() else "-" for c in base_model.lower())
+
+
+def _dashboard_of(ray: Any) -> str:
+    url = ray.get_runtime_context().get_dashboard_url() if hasattr(
+        ray.get_runtime_context(), "get_dashboard_url"
+    ) else ""
+    return url if url.startswith("http") else f"http://{url or '127.0.0.1:8265'}"
+
+
+def _passthrough_env() -> dict[str, str]:
+    """TuneFleet settings and thread limits the driver must see as this process does."""
+    keep = ("TUNEFLEET_", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    return {k: v for k, v in os.environ.items() if k.startswith(keep)}

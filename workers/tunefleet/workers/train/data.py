@@ -1,0 +1,124 @@
+"""Turn a validated JSONL file into token ids and loss labels.
+
+Loss is computed only on what the model should learn to write: assistant turns with
+weight 1 (chat, alpaca) or the completion (prompt/completion); ``text`` trains on every
+token. Labels of other tokens are -100. Examples longer than ``max_seq_len`` are truncated
+and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tunefleet.platform.datasets import detect_format
+
+IGNORE = -100
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+
+
+@dataclass
+class TokenizedDataset:
+    examples: list[Example]
+    truncated: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(e.input_ids) for e in self.examples)
+
+
+def _chat_example(tokenizer: Any, messages: list[dict[str, Any]]) -> Example:
+    """Render with the chat template; label each trained assistant turn's span.
+
+    The span of assistant message i is the text between the render of messages[:i] with a
+    generation prompt and the render of messages[:i+1]: its content and end-of-turn marker.
+    """
+    clean = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+    full = tokenizer.apply_chat_template(clean, tokenize=False)
+    spans: list[tuple[int, int]] = []
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant" or msg.get("weight", 1) == 0:
+            continue
+        start = len(tokenizer.apply_chat_template(clean[:i], tokenize=False,
+                                                  add_generation_prompt=True)) if i else 0
+        end = len(tokenizer.apply_chat_template(clean[: i + 1], tokenize=False))
+        spans.append((start, end))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    labels = [
+        tok if any(s <= a < e for s, e in spans) else IGNORE
+        for tok, (a, _b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
+    ]
+    return Example(list(enc["input_ids"]), labels)
+
+
+def _prompt_completion(tokenizer: Any, prompt: str, completion: str) -> Example:
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        c = [*c, tokenizer.eos_token_id]
+    return Example([*p, *c], [IGNORE] * len(p) + list(c))
+
+
+def tokenize_example(tokenizer: Any, obj: dict[str, Any]) -> Example:
+    fmt = detect_format(obj)
+    if fmt == "chat":
+        return _chat_example(tokenizer, obj["messages"])
+    if fmt == "alpaca":
+        prompt = obj["instruction"] + (("\n\n" + obj["input"]) if obj.get("input") else "")
+        return _chat_example(
+            tokenizer,
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": obj["output"]}],
+        )
+    if fmt == "prompt_completion":
+        return _prompt_completion(tokenizer, obj["prompt"], obj["completion"])
+    ids = tokenizer(obj["text"], add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        ids = [*ids, tokenizer.eos_token_id]
+    return Example(list(ids), list(ids))
+
+
+def load_dataset(path: Path, tokenizer: Any, max_seq_len: int) -> TokenizedDataset:
+    examples: list[Example] = []
+    truncated = 0
+    with path.open("rb") as fh:
+        for raw in fh:
+            if not raw.strip():
+                continue
+            ex = tokenize_example(tokenizer, json.loads(raw))
+            if len(ex.input_ids) > max_seq_len:
+                truncated += 1
+                ex = Example(ex.input_ids[:max_seq_len], ex.labels[:max_seq_len])
+            if any(label != IGNORE for label in ex.labels[1:]):
+                examples.append(ex)
+    return TokenizedDataset(examples, truncated)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The example order of one epoch: a shuffle determined by (seed, epoch) alone."""
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a batch to its longest example (dynamic padding, not max_seq_len)."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, ex in enumerate(examples):
+        n = len(ex.input_ids)
+        ids[row, :n] = torch.tensor(ex.input_ids)
+        labels[row, :n] = torch.tensor(ex.labels)
+        mask[row, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}

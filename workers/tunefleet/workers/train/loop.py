@@ -1,0 +1,167 @@
+"""The training loop, written out in full: ``train_loop_per_worker`` for Ray Train.
+
+Setup (model, adapter, data, optimizer) -> resume from the newest checkpoint -> steps with
+metrics to the platform -> checkpoints at epoch ends (and every N steps) -> the final
+adapter as the last reported checkpoint. Every worker runs this function; rank 0 alone
+writes to the database and reports checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import ray.train.torch
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_linear_schedule_with_warmup
+
+from tunefleet.platform.db import session_scope
+from tunefleet.platform.progress import record_checkpoint, record_message, record_metrics
+from tunefleet.platform.spec import JobSpec
+from tunefleet.workers.train import checkpoint as ckpt_files
+from tunefleet.workers.train.data import collate, epoch_order, load_dataset
+
+
+def build_model(spec: JobSpec, model_path: str) -> Any:
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    lora = spec.tunefleet.lora
+    targets: list[str] | str = (
+        "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
+    )
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    spec = JobSpec.model_validate(config["spec"])
+    db_url: str = config["database_url"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    is_chief = rank == 0
+
+    # --- setup ----------------------------------------------------------------------
+    tokenizer = AutoTokenizer.from_pretrained(config["model_path"])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
+        tokenizer.eos_token_id or 0
+    )
+    model = build_model(spec, config["model_path"])
+    trainable, total = model.get_nb_trainable_parameters()
+    model = ray.train.torch.prepare_model(model, parallel_strategy="ddp" if world > 1 else None)
+    peft_model = model.module if hasattr(model, "module") else model
+
+    data = load_dataset(Path(config["train_path"]), tokenizer, spec.tunefleet.max_seq_len)
+    if not data.examples:
+        raise ValueError("the training file has no example with tokens to learn from")
+    hp = spec.hyperparameters
+    per_device = max(1, hp.batch_size // world)
+    steps_per_epoch = max(1, math.ceil(len(data.examples) / (per_device * world)))
+    total_steps = steps_per_epoch * hp.n_epochs
+    if spec.tunefleet.max_steps is not None:
+        total_steps = min(total_steps, spec.tunefleet.max_steps)
+
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=spec.learning_rate,
+        weight_decay=0.0, foreach=True,
+    )
+    scheduler = get_linear_schedule_with_warmup(
+        optimizer, int(spec.tunefleet.warmup_ratio * total_steps), total_steps
+    )
+
+    # --- resume ---------------------------------------------------------------------
+    step, trained_tokens = 0, 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as ckpt_dir:
+            saved = ckpt_files.load(Path(ckpt_dir), peft_model, optimizer, scheduler)
+            step, trained_tokens = int(saved["step"]), int(saved["trained_tokens"])
+    if is_chief:
+        with session_scope(db_url) as s:
+            resumed = f", resumed at step {step}" if step else ""
+            record_message(
+                s, spec.job_id,
+                f"Training {total_steps} steps on {world} worker(s): {len(data.examples)} "
+                f"examples, {data.truncated} truncated to {spec.tunefleet.max_seq_len} tokens; "
+                f"{trainable:,} trainable of {total:,} parameters{resumed}",
+            )
+
+    def save_checkpoint(final: bool, metrics: dict[str, Any]) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            if is_chief:
+                ckpt_files.save(
+                    Path(tmp), peft_model, optimizer, scheduler,
+                    {"step": step, "trained_tokens": trained_tokens},
+                )
+                ckpt = ray.train.Checkpoint.from_directory(tmp)
+                ray.train.report({**metrics, "step": step, "final": final}, checkpoint=ckpt)
+                with session_scope(db_url) as s:
+                    record_checkpoint(
+                        s, spec.job_id, step=step, path=f"ray://{spec.job_id}/step-{step}",
+                        metrics=metrics,
+                    )
+            else:
+                ray.train.report({**metrics, "step": step, "final": final})
+
+    # --- steps ----------------------------------------------------------------------
+    model.train()
+    started, window_tokens, window_start = time.perf_counter(), 0, time.perf_counter()
+    start_step = step
+    epoch = step // steps_per_epoch
+    last_loss = float("nan")
+    while step < total_steps:
+        order = epoch_order(len(data.examples), spec.seed, epoch)
+        # Every rank takes the same number of steps (DDP needs it): short shards wrap.
+        mine = order[rank::world] or order
+        for local_step in range(step % steps_per_epoch, steps_per_epoch):
+            if step >= total_steps:
+                break
+            picks = [mine[(local_step * per_device + j) % len(mine)] for j in range(per_device)]
+            batch = collate([data.examples[i] for i in picks], pad_id)
+            out = model(**batch)
+            out.loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens = int(batch["attention_mask"].sum()) * world
+            trained_tokens += tokens
+            window_tokens += tokens
+            last_loss = float(out.loss.detach())
+            if is_chief:
+                now = time.perf_counter()
+                rate = (step - start_step) / (now - started)
+                metrics = {
+                    "train_loss": last_loss,
+                    "learning_rate": scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                    "epoch": epoch + 1,
+                }
+                window_tokens, window_start = 0, now
+                with session_scope(db_url) as s:
+                    record_metrics(
+                        s, spec.job_id, step=step, total_steps=total_steps, metrics=metrics,
+                        trained_tokens=trained_tokens,
+                        eta_s=(total_steps - step) / rate if rate > 0 else None,
+                    )
+            every = spec.tunefleet.checkpoint_every_steps
+            if every and step % every == 0 and step % steps_per_epoch and step < total_steps:
+                save_checkpoint(False, {"train_loss": last_loss})
+        epoch += 1
+        if step < total_steps:
+            save_checkpoint(False, {"train_loss": last_loss})
+
+    save_checkpoint(True, {"train_loss": last_loss, "trained_tokens": trained_tokens})
+
