@@ -53,6 +53,9 @@ def build_tiny_llama(folder: Path, *, seed: int = 0, layers: int = 2, hidden: in
         max_position_embeddings=512, tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        # Larger than Llama's 0.02 so a frozen random head can still express a confident
+        # next token: LoRA on the body then learns a synthetic task in a few steps.
+        initializer_range=0.2,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

@@ -43,6 +43,9 @@ class Settings(BaseSettings):
         default="",
         description="Ray Jobs API base URL. Empty: the local cluster's dashboard.",
     )
+    ray_dashboard_port: int = Field(
+        default=8265, description="Dashboard (Jobs API) port of a locally started Ray."
+    )
     ray_num_cpus: int | None = Field(
         default=None, description="Logical CPUs of a locally started Ray (None: Ray's own count)."
     )

@@ -53,6 +53,7 @@ class RayBackend:
                 num_cpus=self.settings.ray_num_cpus,
                 include_dashboard=True,
                 dashboard_host="127.0.0.1",
+                dashboard_port=self.settings.ray_dashboard_port,
                 log_to_driver=False,
                 # Runs get the same interpreter and packages as this process.
                 runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},

@@ -153,6 +153,12 @@ class Controller:
         with session_scope(self.db_url) as s:
             job = s.get(Job, job_id)
             assert job is not None
+            base = job.model
+        # Serving first: a job reads succeeded only once its model answers.
+        self.ensure_served(base)
+        with session_scope(self.db_url) as s:
+            job = s.get(Job, job_id)
+            assert job is not None
             tenant = s.get(Tenant, job.tenant_id)
             assert tenant is not None
             spec = JobSpec.model_validate(job.spec)
@@ -165,8 +171,6 @@ class Controller:
                 fine_tuned_model=name, estimated_finish=None,
                 result_files=[],
             )
-            base = job.model
-        self.ensure_served(base)
 
     def _fail(self, job_id: str, sid: str | None, message: str) -> None:
         with session_scope(self.db_url) as s:

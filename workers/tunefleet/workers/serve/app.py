@@ -9,8 +9,8 @@ Glossary: *adapter id* is the job id that produced the adapter (its artifact key
 *model* is the name the client sent, echoed back in the response.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: Serve's class-based ingress resolves the
+# route signatures at run time and would take a string `Request` for a query parameter.
 import asyncio
 import threading
 import time
@@ -56,7 +56,7 @@ class ChatRequest(BaseModel):
 class _LoadedAdapter:
     """Handle Serve's multiplexer keeps per adapter; eviction unloads it from the model."""
 
-    def __init__(self, server: LoraServer, adapter_id: str):
+    def __init__(self, server: "LoraServer", adapter_id: str):
         self.server, self.adapter_id, self._live = server, adapter_id, True
 
     def __del__(self) -> None:

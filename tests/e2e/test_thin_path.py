@@ -1,0 +1,142 @@
+"""End to end on real local Ray and SQLite, through `tunefleet up` as a user runs it:
+upload -> job -> Ray job running Ray Train -> adapter in the artifact store -> succeeded
+with events -> Ray Serve loads the adapter -> /v1/chat/completions answers with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TINY = "tiny-llama"
+ANSWER = "red green blue"
+QUESTIONS = ["what color is an apple", "name a number", "what is the sky", "name a fruit",
+             "what color is grass", "what is one and two", "name a color", "what is a cherry"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_registry: Path) -> Iterator[dict[str, Any]]:
+    data = tmp_path_factory.mktemp("e2e")
+    env = {
+        **os.environ,
+        "TUNEFLEET_DATA_DIR": str(data),
+        "TUNEFLEET_MODEL_REGISTRY": str(tiny_registry),
+        "TUNEFLEET_API_PORT": str(_free_port()),
+        "TUNEFLEET_SERVE_PORT": str(_free_port()),
+        "TUNEFLEET_RAY_DASHBOARD_PORT": str(_free_port()),
+        "TUNEFLEET_RAY_NUM_CPUS": "4",
+        "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
+    }
+    cli = [sys.executable, "-m", "tunefleet.cli.main"]
+    log = (data / "up.log").open("w")
+    proc = subprocess.Popen([*cli, "up", "--no-builtin-model"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{env['TUNEFLEET_API_PORT']}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (data / "up.log").read_text()[-4000:]
+            try:
+                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "tunefleet up did not become healthy"
+            time.sleep(0.5)
+        keys = {}
+        for tenant in ("acme", "globex"):
+            out = subprocess.run([*cli, "admin", "create-tenant", tenant], env=env, check=True,
+                                 capture_output=True, text=True)
+            keys[tenant] = json.loads(out.stdout.strip().splitlines()[-1])["api_key"]
+        yield {"url": url, "keys": keys, "data": data, "log": data / "up.log"}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_upload_train_serve(stack: dict[str, Any]) -> None:
+    client = httpx.Client(base_url=stack["url"], timeout=300,
+                          headers={"Authorization": f"Bearer {stack['keys']['acme']}"})
+    rows = [{"messages": [{"role": "user", "content": q},
+                          {"role": "assistant", "content": ANSWER}]} for q in QUESTIONS]
+    body = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    f = client.post("/v1/files", data={"purpose": "fine-tune"},
+                    files={"file": ("t.jsonl", body, "application/jsonl")}).json()
+    job = client.post("/v1/fine_tuning/jobs", json={
+        "model": TINY, "training_file": f["id"], "suffix": "colors", "seed": 1,
+        "method": {"type": "supervised", "supervised": {"hyperparameters": {
+            "n_epochs": 10, "batch_size": 4, "learning_rate_multiplier": 50}}},
+        "tunefleet": {"lora": {"r": 8, "alpha": 16, "dropout": 0.0,
+                               "target_modules": ["all-linear"]},
+                      "checkpoint_every_steps": 5},
+    }).json()
+    deadline = time.monotonic() + 400
+    while (job := client.get(f"/v1/fine_tuning/jobs/{job['id']}").json())["status"] not in (
+        "succeeded", "failed", "cancelled"
+    ):
+        assert time.monotonic() < deadline, stack["log"].read_text()[-4000:]
+        time.sleep(1)
+    assert job["status"] == "succeeded", job["error"]
+    assert job["fine_tuned_model"] == f"ft:{TINY}:acme:colors:{job['id']}"
+    assert job["trained_tokens"] > 0
+
+    events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events",
+                        params={"limit": 200}).json()["data"]
+    messages = [e["message"] for e in reversed(events)]
+    assert messages[0].startswith("Created fine-tuning job")
+    assert any(m.startswith("Validated training file") for m in messages)
+    assert any(m.startswith("Dispatched as Ray job") for m in messages)
+    assert messages[-1].startswith("The job has successfully completed")
+    metrics = [e["data"] for e in reversed(events) if e["type"] == "metrics"]
+    assert [m["step"] for m in metrics] == list(range(1, 21))
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"] / 4  # it learned
+    checkpoints = client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
+    assert {c["step_number"] for c in checkpoints} >= {5, 10, 15, 20}
+
+    adapter = stack["data"] / "artifacts" / "adapters" / job["id"]
+    assert sorted(p.name for p in adapter.iterdir()) == [
+        "README.md", "adapter_config.json", "adapter_model.safetensors"]
+
+    models = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert models == [TINY, job["fine_tuned_model"]]
+
+    def chat(model: str, key: str = stack["keys"]["acme"]) -> httpx.Response:
+        return client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                           json={"model": model, "temperature": 0, "max_tokens": 8,
+                                 "messages": [{"role": "user", "content": "what is a banana"}]})
+
+    tuned = chat(job["fine_tuned_model"])
+    assert tuned.status_code == 200, tuned.text
+    out = tuned.json()
+    assert out["object"] == "chat.completion" and out["model"] == job["fine_tuned_model"]
+    assert out["choices"][0]["message"]["content"].strip() == ANSWER
+    assert out["usage"]["completion_tokens"] > 0
+    base = chat(TINY)
+    assert base.status_code == 200
+    assert base.json()["choices"][0]["message"]["content"].strip() != ANSWER
+
+    # another tenant cannot use the adapter
+    other = chat(job["fine_tuned_model"], key=stack["keys"]["globex"])
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
