@@ -57,8 +57,12 @@ def tiny_registry(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def settings(tmp_path: Path, migrated_url: str, tiny_registry: Path) -> Settings:
-    return Settings(data_dir=tmp_path, database_url=migrated_url,
-                    model_registry=tiny_registry, max_upload_bytes=1_000_000)
+    return Settings(
+        data_dir=tmp_path,
+        database_url=migrated_url,
+        model_registry=tiny_registry,
+        max_upload_bytes=1_000_000,
+    )
 
 
 def make_tenant(url: str, name: str) -> str:

@@ -44,14 +44,43 @@ def postgres_cluster() -> Iterator[str]:
         shutil.chown(base, "postgres")
         os.chmod(base, 0o700)
     port = _free_port()
-    subprocess.run([*run_as, str(bindir / "initdb"), "-D", str(data), "-A", "trust",
-                    "-U", "postgres", "--no-sync"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            *run_as,
+            str(bindir / "initdb"),
+            "-D",
+            str(data),
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "--no-sync",
+        ],
+        check=True,
+        capture_output=True,
+    )
     opts = f"-p {port} -k {base} -c fsync=off -c listen_addresses=127.0.0.1 -c max_connections=200"
-    subprocess.run([*run_as, str(bindir / "pg_ctl"), "-D", str(data), "-o", opts,
-                    "-l", str(base / "log"), "-w", "start"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            *run_as,
+            str(bindir / "pg_ctl"),
+            "-D",
+            str(data),
+            "-o",
+            opts,
+            "-l",
+            str(base / "log"),
+            "-w",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+    )
     try:
         yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
     finally:
-        subprocess.run([*run_as, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate",
-                        "stop"], capture_output=True)
+        subprocess.run(
+            [*run_as, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+            capture_output=True,
+        )
         shutil.rmtree(base, ignore_errors=True)

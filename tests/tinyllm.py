@@ -27,13 +27,17 @@ def build_tokenizer(folder: Path) -> None:
         "red green blue yellow apple banana cherry one two three four five six seven",
     ] * 20
     trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=SPECIALS,
+        vocab_size=320,
+        special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        bos_token=None, unk_token=None,
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
     )
     fast.chat_template = CHATML
     fast.save_pretrained(folder)
@@ -48,10 +52,16 @@ def build_tiny_llama(folder: Path, *, seed: int = 0, layers: int = 2, hidden: in
     build_tokenizer(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         # Larger than Llama's 0.02 so a frozen random head can still express a confident
         # next token: LoRA on the body then learns a synthetic task in a few steps.

@@ -28,8 +28,12 @@ def upgrade() -> None:
     op.create_table(
         "api_keys",
         sa.Column("id", sa.String(64), primary_key=True),
-        sa.Column("tenant_id", sa.String(64),
-                  sa.ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+        sa.Column(
+            "tenant_id",
+            sa.String(64),
+            sa.ForeignKey("tenants.id", ondelete="CASCADE"),
+            nullable=False,
+        ),
         sa.Column("name", sa.String(128), nullable=False),
         sa.Column("prefix", sa.String(32), nullable=False, unique=True),
         sa.Column("secret_hash", sa.String(64), nullable=False),
@@ -41,8 +45,12 @@ def upgrade() -> None:
     op.create_table(
         "files",
         sa.Column("id", sa.String(64), primary_key=True),
-        sa.Column("tenant_id", sa.String(64),
-                  sa.ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+        sa.Column(
+            "tenant_id",
+            sa.String(64),
+            sa.ForeignKey("tenants.id", ondelete="CASCADE"),
+            nullable=False,
+        ),
         sa.Column("filename", sa.String(512), nullable=False),
         sa.Column("purpose", sa.String(32), nullable=False),
         sa.Column("bytes", sa.BigInteger(), nullable=False),
@@ -56,8 +64,12 @@ def upgrade() -> None:
     op.create_table(
         "jobs",
         sa.Column("id", sa.String(64), primary_key=True),
-        sa.Column("tenant_id", sa.String(64),
-                  sa.ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+        sa.Column(
+            "tenant_id",
+            sa.String(64),
+            sa.ForeignKey("tenants.id", ondelete="CASCADE"),
+            nullable=False,
+        ),
         sa.Column("status", sa.String(32), nullable=False),
         sa.Column("model", sa.String(256), nullable=False),
         sa.Column("training_file", sa.String(64), nullable=False),
@@ -80,14 +92,16 @@ def upgrade() -> None:
     )
     op.create_index("ix_jobs_tenant_created", "jobs", ["tenant_id", "created_at"])
     op.create_index("ix_jobs_status", "jobs", ["status"])
-    op.create_index("uq_jobs_tenant_idempotency", "jobs", ["tenant_id", "idempotency_key"],
-                    unique=True)
+    op.create_index(
+        "uq_jobs_tenant_idempotency", "jobs", ["tenant_id", "idempotency_key"], unique=True
+    )
     op.create_table(
         "job_events",
         sa.Column("seq", sa.Integer(), primary_key=True, autoincrement=True),
         sa.Column("id", sa.String(64), nullable=False, unique=True),
-        sa.Column("job_id", sa.String(64),
-                  sa.ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+        sa.Column(
+            "job_id", sa.String(64), sa.ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False
+        ),
         sa.Column("created_at", sa.BigInteger(), nullable=False),
         sa.Column("level", sa.String(8), nullable=False),
         sa.Column("type", sa.String(16), nullable=False),
@@ -98,8 +112,9 @@ def upgrade() -> None:
     op.create_table(
         "checkpoints",
         sa.Column("id", sa.String(64), primary_key=True),
-        sa.Column("job_id", sa.String(64),
-                  sa.ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+        sa.Column(
+            "job_id", sa.String(64), sa.ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False
+        ),
         sa.Column("step", sa.Integer(), nullable=False),
         sa.Column("path", sa.String(1024), nullable=False),
         sa.Column("metrics", sa.JSON(), nullable=False),
@@ -109,10 +124,19 @@ def upgrade() -> None:
     op.create_table(
         "adapters",
         sa.Column("id", sa.String(64), primary_key=True),
-        sa.Column("tenant_id", sa.String(64),
-                  sa.ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
-        sa.Column("job_id", sa.String(64),
-                  sa.ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False, unique=True),
+        sa.Column(
+            "tenant_id",
+            sa.String(64),
+            sa.ForeignKey("tenants.id", ondelete="CASCADE"),
+            nullable=False,
+        ),
+        sa.Column(
+            "job_id",
+            sa.String(64),
+            sa.ForeignKey("jobs.id", ondelete="CASCADE"),
+            nullable=False,
+            unique=True,
+        ),
         sa.Column("name", sa.String(512), nullable=False, unique=True),
         sa.Column("base_model", sa.String(256), nullable=False),
         sa.Column("path", sa.String(1024), nullable=False),
@@ -133,6 +157,5 @@ def downgrade() -> None:
         ("ix_api_keys_tenant_id", "api_keys"),
     ]:
         op.drop_index(index, table_name=table)
-    for table in ["adapters", "checkpoints", "job_events", "jobs", "files", "api_keys",
-                  "tenants"]:
+    for table in ["adapters", "checkpoints", "job_events", "jobs", "files", "api_keys", "tenants"]:
         op.drop_table(table)

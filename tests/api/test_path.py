@@ -9,8 +9,9 @@ from fastapi.testclient import TestClient
 
 from tunefleet.platform.settings import Settings
 
-CHAT = {"messages": [{"role": "user", "content": "what color"},
-                     {"role": "assistant", "content": "red"}]}
+CHAT = {
+    "messages": [{"role": "user", "content": "what color"}, {"role": "assistant", "content": "red"}]
+}
 TINY = "tiny-llama"
 
 
@@ -19,8 +20,12 @@ def H(key: str) -> dict[str, str]:
 
 
 def upload(client: TestClient, key: str, body: bytes, name: str = "train.jsonl") -> dict:  # type: ignore[type-arg]
-    resp = client.post("/v1/files", headers=H(key), data={"purpose": "fine-tune"},
-                       files={"file": (name, body, "application/jsonl")})
+    resp = client.post(
+        "/v1/files",
+        headers=H(key),
+        data={"purpose": "fine-tune"},
+        files={"file": (name, body, "application/jsonl")},
+    )
     return {"http_status": resp.status_code, **resp.json()}
 
 
@@ -28,16 +33,24 @@ def test_upload_create_get_list_cancel(app_client: TestClient, key_a: str) -> No
     f = upload(app_client, key_a, (json.dumps(CHAT) + "\n").encode() * 3)
     assert f["http_status"] == 200 and f["object"] == "file" and f["status"] == "processed"
     assert f["tunefleet"] == {"format": "chat", "stats": {"examples": 3}}
-    body = {"model": TINY, "training_file": f["id"], "suffix": "demo",
-            "metadata": {"team": "x"}, "integrations": [{"type": "wandb"}],
-            "tunefleet": {"lora": {"r": 4}, "max_steps": 3}}
+    body = {
+        "model": TINY,
+        "training_file": f["id"],
+        "suffix": "demo",
+        "metadata": {"team": "x"},
+        "integrations": [{"type": "wandb"}],
+        "tunefleet": {"lora": {"r": 4}, "max_steps": 3},
+    }
     resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body)
     assert resp.status_code == 200, resp.text
     job = resp.json()
     assert job["id"].startswith("ftjob-") and job["object"] == "fine_tuning.job"
     assert job["status"] == "validating_files" and job["model"] == TINY
-    assert job["hyperparameters"] == {"n_epochs": 3, "batch_size": 4,
-                                      "learning_rate_multiplier": 1.0}
+    assert job["hyperparameters"] == {
+        "n_epochs": 3,
+        "batch_size": 4,
+        "learning_rate_multiplier": 1.0,
+    }
     assert job["tunefleet"]["lora"]["r"] == 4
     assert job["integrations"] == [{"type": "wandb"}]  # accepted and recorded
     assert job["metadata"] == {"team": "x"}
@@ -45,15 +58,19 @@ def test_upload_create_get_list_cancel(app_client: TestClient, key_a: str) -> No
     assert got == job
     listed = app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()
     assert [j["id"] for j in listed["data"]] == [job["id"]]
-    assert app_client.get("/v1/fine_tuning/jobs?metadata[team]=y",
-                          headers=H(key_a)).json()["data"] == []
+    assert (
+        app_client.get("/v1/fine_tuning/jobs?metadata[team]=y", headers=H(key_a)).json()["data"]
+        == []
+    )
     cancelled = app_client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel", headers=H(key_a))
     assert cancelled.json()["status"] == "cancelled"
     again = app_client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel", headers=H(key_a))
     assert again.status_code == 409 and "is cancelled" in again.json()["error"]["message"]
     events = app_client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", headers=H(key_a)).json()
     assert [e["message"] for e in events["data"]] == [
-        "Job cancelled by request", f"Created fine-tuning job: {job['id']}"]
+        "Job cancelled by request",
+        f"Created fine-tuning job: {job['id']}",
+    ]
 
 
 def test_non_json_line_is_a_400_naming_the_line(
@@ -71,8 +88,9 @@ def test_non_json_line_is_a_400_naming_the_line(
 
 def test_unknown_base_model_lists_the_available_ones(app_client: TestClient, key_a: str) -> None:
     f = upload(app_client, key_a, (json.dumps(CHAT) + "\n").encode())
-    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a),
-                           json={"model": "gpt-9", "training_file": f["id"]})
+    resp = app_client.post(
+        "/v1/fine_tuning/jobs", headers=H(key_a), json={"model": "gpt-9", "training_file": f["id"]}
+    )
     assert resp.status_code == 400
     err = resp.json()["error"]
     assert err["param"] == "model" and err["code"] == "model_not_found"
@@ -80,8 +98,9 @@ def test_unknown_base_model_lists_the_available_ones(app_client: TestClient, key
 
 
 def test_unknown_file_id_is_a_404(app_client: TestClient, key_a: str) -> None:
-    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a),
-                           json={"model": TINY, "training_file": "file-nope"})
+    resp = app_client.post(
+        "/v1/fine_tuning/jobs", headers=H(key_a), json={"model": TINY, "training_file": "file-nope"}
+    )
     assert resp.status_code == 404
     assert resp.json()["error"]["param"] == "training_file"
     assert "file-nope" in resp.json()["error"]["message"]
@@ -105,15 +124,22 @@ def test_missing_or_bad_key_is_401(app_client: TestClient) -> None:
 
 def test_other_tenants_objects_are_404(app_client: TestClient, key_a: str, key_b: str) -> None:
     f = upload(app_client, key_a, (json.dumps(CHAT) + "\n").encode())
-    job = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a),
-                          json={"model": TINY, "training_file": f["id"]}).json()
-    for path in (f"/v1/files/{f['id']}", f"/v1/fine_tuning/jobs/{job['id']}",
-                 f"/v1/fine_tuning/jobs/{job['id']}/events"):
+    job = app_client.post(
+        "/v1/fine_tuning/jobs", headers=H(key_a), json={"model": TINY, "training_file": f["id"]}
+    ).json()
+    for path in (
+        f"/v1/files/{f['id']}",
+        f"/v1/fine_tuning/jobs/{job['id']}",
+        f"/v1/fine_tuning/jobs/{job['id']}/events",
+    ):
         assert app_client.get(path, headers=H(key_b)).status_code == 404
-    assert app_client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel",
-                           headers=H(key_b)).status_code == 404
-    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_b),
-                           json={"model": TINY, "training_file": f["id"]})
+    assert (
+        app_client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel", headers=H(key_b)).status_code
+        == 404
+    )
+    resp = app_client.post(
+        "/v1/fine_tuning/jobs", headers=H(key_b), json={"model": TINY, "training_file": f["id"]}
+    )
     assert resp.status_code == 404
     assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_b)).json()["data"] == []
 
@@ -129,9 +155,11 @@ def test_idempotency_key_returns_the_same_job(app_client: TestClient, key_a: str
 
 
 def test_schema_errors_use_openai_shape(app_client: TestClient, key_a: str) -> None:
-    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a),
-                           json={"model": TINY, "training_file": "f",
-                                 "tunefleet": {"lora": {"r": 0}}})
+    resp = app_client.post(
+        "/v1/fine_tuning/jobs",
+        headers=H(key_a),
+        json={"model": TINY, "training_file": "f", "tunefleet": {"lora": {"r": 0}}},
+    )
     assert resp.status_code == 422
     err = resp.json()["error"]
     assert err["param"] == "tunefleet.lora.r" and err["type"] == "invalid_request_error"
@@ -140,6 +168,7 @@ def test_schema_errors_use_openai_shape(app_client: TestClient, key_a: str) -> N
 def test_models_lists_registry(app_client: TestClient, key_a: str) -> None:
     data = app_client.get("/v1/models", headers=H(key_a)).json()["data"]
     assert [m["id"] for m in data] == [TINY]
-    missing = app_client.post("/v1/chat/completions", headers=H(key_a),
-                              json={"model": "ft:nope", "messages": []})
+    missing = app_client.post(
+        "/v1/chat/completions", headers=H(key_a), json={"model": "ft:nope", "messages": []}
+    )
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

@@ -22,8 +22,16 @@ pytestmark = pytest.mark.slow
 
 TINY = "tiny-llama"
 ANSWER = "red green blue"
-QUESTIONS = ["what color is an apple", "name a number", "what is the sky", "name a fruit",
-             "what color is grass", "what is one and two", "name a color", "what is a cherry"]
+QUESTIONS = [
+    "what color is an apple",
+    "name a number",
+    "what is the sky",
+    "name a fruit",
+    "what color is grass",
+    "what is one and two",
+    "name a color",
+    "what is a cherry",
+]
 
 
 def _free_port() -> int:
@@ -33,7 +41,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, tiny_registry: Path) -> Iterator[dict[str, Any]]:
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, tiny_registry: Path
+) -> Iterator[dict[str, Any]]:
     data = tmp_path_factory.mktemp("e2e")
     env = {
         **os.environ,
@@ -47,8 +57,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_registry: Path) -> Iter
     }
     cli = [sys.executable, "-m", "tunefleet.cli.main"]
     log = (data / "up.log").open("w")
-    proc = subprocess.Popen([*cli, "up", "--no-builtin-model"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [*cli, "up", "--no-builtin-model"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{env['TUNEFLEET_API_PORT']}"
     try:
         deadline = time.monotonic() + 180
@@ -63,8 +78,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_registry: Path) -> Iter
             time.sleep(0.5)
         keys = {}
         for tenant in ("acme", "globex"):
-            out = subprocess.run([*cli, "admin", "create-tenant", tenant], env=env, check=True,
-                                 capture_output=True, text=True)
+            out = subprocess.run(
+                [*cli, "admin", "create-tenant", tenant],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             keys[tenant] = json.loads(out.stdout.strip().splitlines()[-1])["api_key"]
         yield {"url": url, "keys": keys, "data": data, "log": data / "up.log"}
     finally:
@@ -77,24 +97,49 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_registry: Path) -> Iter
 
 
 def test_upload_train_serve(stack: dict[str, Any]) -> None:
-    client = httpx.Client(base_url=stack["url"], timeout=300,
-                          headers={"Authorization": f"Bearer {stack['keys']['acme']}"})
-    rows = [{"messages": [{"role": "user", "content": q},
-                          {"role": "assistant", "content": ANSWER}]} for q in QUESTIONS]
+    client = httpx.Client(
+        base_url=stack["url"],
+        timeout=300,
+        headers={"Authorization": f"Bearer {stack['keys']['acme']}"},
+    )
+    rows = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ANSWER}]}
+        for q in QUESTIONS
+    ]
     body = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    f = client.post("/v1/files", data={"purpose": "fine-tune"},
-                    files={"file": ("t.jsonl", body, "application/jsonl")}).json()
-    job = client.post("/v1/fine_tuning/jobs", json={
-        "model": TINY, "training_file": f["id"], "suffix": "colors", "seed": 1,
-        "method": {"type": "supervised", "supervised": {"hyperparameters": {
-            "n_epochs": 10, "batch_size": 4, "learning_rate_multiplier": 50}}},
-        "tunefleet": {"lora": {"r": 8, "alpha": 16, "dropout": 0.0,
-                               "target_modules": ["all-linear"]},
-                      "checkpoint_every_steps": 5},
-    }).json()
+    f = client.post(
+        "/v1/files",
+        data={"purpose": "fine-tune"},
+        files={"file": ("t.jsonl", body, "application/jsonl")},
+    ).json()
+    job = client.post(
+        "/v1/fine_tuning/jobs",
+        json={
+            "model": TINY,
+            "training_file": f["id"],
+            "suffix": "colors",
+            "seed": 1,
+            "method": {
+                "type": "supervised",
+                "supervised": {
+                    "hyperparameters": {
+                        "n_epochs": 10,
+                        "batch_size": 4,
+                        "learning_rate_multiplier": 50,
+                    }
+                },
+            },
+            "tunefleet": {
+                "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["all-linear"]},
+                "checkpoint_every_steps": 5,
+            },
+        },
+    ).json()
     deadline = time.monotonic() + 400
     while (job := client.get(f"/v1/fine_tuning/jobs/{job['id']}").json())["status"] not in (
-        "succeeded", "failed", "cancelled"
+        "succeeded",
+        "failed",
+        "cancelled",
     ):
         assert time.monotonic() < deadline, stack["log"].read_text()[-4000:]
         time.sleep(1)
@@ -102,8 +147,9 @@ def test_upload_train_serve(stack: dict[str, Any]) -> None:
     assert job["fine_tuned_model"] == f"ft:{TINY}:acme:colors:{job['id']}"
     assert job["trained_tokens"] > 0
 
-    events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events",
-                        params={"limit": 200}).json()["data"]
+    events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"limit": 200}).json()[
+        "data"
+    ]
     messages = [e["message"] for e in reversed(events)]
     assert messages[0].startswith("Created fine-tuning job")
     assert any(m.startswith("Validated training file") for m in messages)
@@ -117,15 +163,25 @@ def test_upload_train_serve(stack: dict[str, Any]) -> None:
 
     adapter = stack["data"] / "artifacts" / "adapters" / job["id"]
     assert sorted(p.name for p in adapter.iterdir()) == [
-        "README.md", "adapter_config.json", "adapter_model.safetensors"]
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
 
     models = [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert models == [TINY, job["fine_tuned_model"]]
 
     def chat(model: str, key: str = stack["keys"]["acme"]) -> httpx.Response:
-        return client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                           json={"model": model, "temperature": 0, "max_tokens": 8,
-                                 "messages": [{"role": "user", "content": "what is a banana"}]})
+        return client.post(
+            "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={
+                "model": model,
+                "temperature": 0,
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "what is a banana"}],
+            },
+        )
 
     tuned = chat(job["fine_tuned_model"])
     assert tuned.status_code == 200, tuned.text

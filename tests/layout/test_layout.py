@@ -13,14 +13,23 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_platform_folder_does_not_shadow_the_stdlib() -> None:
     out = subprocess.run(
         [sys.executable, "-c", "import uuid, platform; print(platform.system())"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout.strip() == "Linux"
     # and with the repo root first on sys.path, as `python -m`, pytest and Ray do
     out = subprocess.run(
-        [sys.executable, "-c",
-         "import sys; sys.path.insert(0, '.'); import uuid, platform; print(platform.system())"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, '.'); import uuid, platform; print(platform.system())",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout.strip() == "Linux"
 
@@ -36,6 +45,9 @@ def test_import_contracts_hold() -> None:
     lint = Path(sys.executable).with_name("lint-imports")
     out = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    for contract in ("platform is the core", "api and workers meet only through platform",
-                     "api never imports Ray or torch"):
+    for contract in (
+        "platform is the core",
+        "api and workers meet only through platform",
+        "api never imports Ray or torch",
+    ):
         assert f"{contract}" in out.stdout and "KEPT" in out.stdout

@@ -17,34 +17,49 @@ def lines(*objs: object) -> list[bytes]:
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
 
 
-@pytest.mark.parametrize("obj,fmt", [
-    (CHAT, "chat"),
-    ({"prompt": "a", "completion": "b"}, "prompt_completion"),
-    ({"instruction": "a", "input": "", "output": "b"}, "alpaca"),
-    ({"text": "hello"}, "text"),
-])
+@pytest.mark.parametrize(
+    "obj,fmt",
+    [
+        (CHAT, "chat"),
+        ({"prompt": "a", "completion": "b"}, "prompt_completion"),
+        ({"instruction": "a", "input": "", "output": "b"}, "alpaca"),
+        ({"text": "hello"}, "text"),
+    ],
+)
 def test_each_format_is_recognised(obj: object, fmt: str) -> None:
     report = validate_lines(lines(obj, obj))
     assert (report.format, report.examples, report.errors) == (fmt, 2, [])
 
 
-@pytest.mark.parametrize("raw,needle", [
-    (lines(CHAT, b"{not json"), "line 2: not valid JSON"),
-    (lines(CHAT, {"prompt": "a", "completion": "b"}), "line 2: looks like prompt_completion"),
-    ([], "no examples"),
-    (lines({"messages": [{"role": "user", "content": "hi"}]}), "no assistant message"),
-    (lines({"messages": [{"role": "robot", "content": "x"}]}), "role is 'robot'"),
-    (lines({"messages": [{"role": "user", "content": 3}]}), "content must be a string"),
-    ([b"\xff\xfe{}\n"], "not valid UTF-8"),
-    ([b"\xef\xbb\xbf" + json.dumps(CHAT).encode()], "byte-order mark"),
-    (lines([1, 2]), "unrecognised example"),
-    (lines({"foo": 1}), "unrecognised example"),
-    (lines({"messages": [{"role": "user", "content": "q"},
-                         {"role": "assistant", "content": "a", "weight": 2}]}), "use 0 or 1"),
-    (lines({"messages": []}), "non-empty list"),
-    (lines({"prompt": "a", "completion": 5}), "'completion' must be a string"),
-    (lines({"text": "   "}), "'text' is empty"),
-])
+@pytest.mark.parametrize(
+    "raw,needle",
+    [
+        (lines(CHAT, b"{not json"), "line 2: not valid JSON"),
+        (lines(CHAT, {"prompt": "a", "completion": "b"}), "line 2: looks like prompt_completion"),
+        ([], "no examples"),
+        (lines({"messages": [{"role": "user", "content": "hi"}]}), "no assistant message"),
+        (lines({"messages": [{"role": "robot", "content": "x"}]}), "role is 'robot'"),
+        (lines({"messages": [{"role": "user", "content": 3}]}), "content must be a string"),
+        ([b"\xff\xfe{}\n"], "not valid UTF-8"),
+        ([b"\xef\xbb\xbf" + json.dumps(CHAT).encode()], "byte-order mark"),
+        (lines([1, 2]), "unrecognised example"),
+        (lines({"foo": 1}), "unrecognised example"),
+        (
+            lines(
+                {
+                    "messages": [
+                        {"role": "user", "content": "q"},
+                        {"role": "assistant", "content": "a", "weight": 2},
+                    ]
+                }
+            ),
+            "use 0 or 1",
+        ),
+        (lines({"messages": []}), "non-empty list"),
+        (lines({"prompt": "a", "completion": 5}), "'completion' must be a string"),
+        (lines({"text": "   "}), "'text' is empty"),
+    ],
+)
 def test_malformed_files_name_the_line_and_problem(raw: list[bytes], needle: str) -> None:
     report = validate_lines(raw)
     with pytest.raises(InvalidFile) as err:

@@ -18,9 +18,19 @@ S = JobStatus
 def _job(url: str, status: JobStatus) -> str:
     with session_scope(url) as s:
         tenant = create_tenant(s, f"t{abs(hash(status.value)) % 10**8}-{id(s) % 1000}")
-        job = Job(id=f"ftjob-{status.value}-{id(s)}", tenant_id=tenant.id, status=status.value,
-                  model="m", training_file="f", spec={}, request={}, metadata_={},
-                  result_files=[], priority=0, attempt=0)
+        job = Job(
+            id=f"ftjob-{status.value}-{id(s)}",
+            tenant_id=tenant.id,
+            status=status.value,
+            model="m",
+            training_file="f",
+            spec={},
+            request={},
+            metadata_={},
+            result_files=[],
+            priority=0,
+            attempt=0,
+        )
         s.add(job)
         return job.id
 

@@ -40,8 +40,9 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return JSONResponse(
             status_code=422,
-            content=error_body(f"invalid request: {detail}", "invalid_request_error", param,
-                               "invalid_request"),
+            content=error_body(
+                f"invalid request: {detail}", "invalid_request_error", param, "invalid_request"
+            ),
         )
 
     @app.exception_handler(HTTPException)
@@ -57,6 +58,7 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error")
         return JSONResponse(
             status_code=500,
-            content=error_body(f"internal error: {type(exc).__name__}", "server_error", None,
-                               "internal_error"),
+            content=error_body(
+                f"internal error: {type(exc).__name__}", "server_error", None, "internal_error"
+            ),
         )

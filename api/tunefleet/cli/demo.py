@@ -29,12 +29,27 @@ DEMO_JOB: dict[str, Any] = {
     "model": BUILTIN_MODEL,
     "suffix": "pirate",
     "seed": 7,
-    "method": {"type": "supervised", "supervised": {"hyperparameters": {
-        "n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 5.0}}},
+    "method": {
+        "type": "supervised",
+        "supervised": {
+            "hyperparameters": {"n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 5.0}
+        },
+    },
     "tunefleet": {
-        "lora": {"r": 16, "alpha": 32, "dropout": 0.0,
-                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
-                                    "gate_proj", "up_proj", "down_proj"]},
+        "lora": {
+            "r": 16,
+            "alpha": 32,
+            "dropout": 0.0,
+            "target_modules": [
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ],
+        },
         "max_seq_len": 128,
         "max_steps": 36,
         "resources": {"num_workers": 1, "cpus_per_worker": 2},
@@ -59,8 +74,9 @@ def follow(client: httpx.Client, job_id: str) -> dict[str, Any]:
     seen: set[str] = set()
     while True:
         job: dict[str, Any] = client.get(f"/v1/fine_tuning/jobs/{job_id}").json()
-        events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events",
-                            params={"limit": 100}).json()["data"]
+        events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()[
+            "data"
+        ]
         for ev in reversed(events):
             if ev["id"] in seen:
                 continue
@@ -79,10 +95,15 @@ def follow(client: httpx.Client, job_id: str) -> dict[str, Any]:
 
 
 def ask(client: httpx.Client, model: str, question: str) -> str:
-    resp = client.post("/v1/chat/completions", json={
-        "model": model, "messages": [{"role": "user", "content": question}],
-        "max_tokens": 40, "temperature": 0,
-    })
+    resp = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 40,
+            "temperature": 0,
+        },
+    )
     resp.raise_for_status()
     return str(resp.json()["choices"][0]["message"]["content"]).strip()
 
@@ -91,16 +112,21 @@ def run_demo(settings: Settings) -> None:
     started = time.monotonic()
     with running_stack(settings, builtin_model=True) as stack:
         key = _key(settings)
-        client = httpx.Client(base_url=stack.api_url, timeout=600,
-                              headers={"Authorization": f"Bearer {key}"})
+        client = httpx.Client(
+            base_url=stack.api_url, timeout=600, headers={"Authorization": f"Bearer {key}"}
+        )
         data = (DATA / "demo_train.jsonl").read_bytes()
-        up = client.post("/v1/files", data={"purpose": "fine-tune"},
-                         files={"file": ("pirate.jsonl", data, "application/jsonl")})
+        up = client.post(
+            "/v1/files",
+            data={"purpose": "fine-tune"},
+            files={"file": ("pirate.jsonl", data, "application/jsonl")},
+        )
         up.raise_for_status()
         file = up.json()
         print(f"Uploaded {file['id']}: {file['tunefleet']['stats']['examples']} examples")
-        job = client.post("/v1/fine_tuning/jobs",
-                          json={**DEMO_JOB, "training_file": file["id"]}).json()
+        job = client.post(
+            "/v1/fine_tuning/jobs", json={**DEMO_JOB, "training_file": file["id"]}
+        ).json()
         print(f"Created {job['id']} on {job['model']}")
         job = follow(client, job["id"])
         if job["status"] != "succeeded":
@@ -113,5 +139,7 @@ def run_demo(settings: Settings) -> None:
             base, ft = ask(client, BUILTIN_MODEL, q), ask(client, tuned, q)
             hits += ft.startswith("Arr")
             print(f"Q: {q}\n  base : {base}\n  tuned: {ft}\n")
-        print(f"{hits}/{len(questions)} tuned answers speak like a pirate "
-              f"(the dataset's lesson). Demo took {time.monotonic() - started:.0f}s.")
+        print(
+            f"{hits}/{len(questions)} tuned answers speak like a pirate "
+            f"(the dataset's lesson). Demo took {time.monotonic() - started:.0f}s."
+        )

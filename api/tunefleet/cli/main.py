@@ -93,8 +93,7 @@ def admin_create_tenant(
 ) -> None:
     """Create a tenant (and a key for it); prints JSON with the key, shown once."""
     with session_scope(get_settings().resolved_database_url) as s:
-        tenant = create_tenant(s, name, max_concurrent_jobs=max_concurrent_jobs,
-                               max_gpus=max_gpus)
+        tenant = create_tenant(s, name, max_concurrent_jobs=max_concurrent_jobs, max_gpus=max_gpus)
         out = {"tenant_id": tenant.id, "name": tenant.name}
         if with_key:
             key, plaintext = create_key(s, tenant.id, name="initial")
@@ -116,11 +115,15 @@ def admin_create_key(
     with session_scope(get_settings().resolved_database_url) as s:
         row = s.scalar(select(Tenant).where(or_(Tenant.name == tenant, Tenant.id == tenant)))
         if row is None:
-            raise typer.BadParameter(f"no tenant {tenant!r}; create it with "
-                                     "`tunefleet admin create-tenant`")
+            raise typer.BadParameter(
+                f"no tenant {tenant!r}; create it with `tunefleet admin create-tenant`"
+            )
         key, plaintext = create_key(s, row.id, name=name, is_admin=admin)
-        typer.echo(json.dumps({"tenant_id": row.id, "key_id": key.id, "prefix": key.prefix,
-                               "api_key": plaintext}))
+        typer.echo(
+            json.dumps(
+                {"tenant_id": row.id, "key_id": key.id, "prefix": key.prefix, "api_key": plaintext}
+            )
+        )
 
 
 if __name__ == "__main__":

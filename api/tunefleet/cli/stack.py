@@ -56,12 +56,18 @@ def running_stack(settings: Settings, *, builtin_model: bool = True) -> Iterator
     backend.connect()
     stop = threading.Event()
     controller = Controller(settings, backend)
-    ctl_thread = threading.Thread(target=controller.run_forever, args=(stop,), daemon=True,
-                                  name="controller")
+    ctl_thread = threading.Thread(
+        target=controller.run_forever, args=(stop,), daemon=True, name="controller"
+    )
     ctl_thread.start()
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(settings), host=settings.api_host, port=settings.api_port, log_level="warning",
-    ))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings),
+            host=settings.api_host,
+            port=settings.api_port,
+            log_level="warning",
+        )
+    )
     api_thread = threading.Thread(target=server.run, daemon=True, name="api")
     api_thread.start()
     api_url = f"http://{settings.api_host}:{settings.api_port}"

@@ -66,9 +66,7 @@ def _check_chat(obj: dict[str, Any]) -> list[str]:
             continue
         role = msg.get("role")
         if role not in CHAT_ROLES:
-            problems.append(
-                f"{where}.role is {role!r}; use one of {', '.join(sorted(CHAT_ROLES))}"
-            )
+            problems.append(f"{where}.role is {role!r}; use one of {', '.join(sorted(CHAT_ROLES))}")
             continue
         content = msg.get("content")
         if role == "assistant" and content is None and msg.get("tool_calls"):
@@ -135,7 +133,8 @@ def validate_lines(lines: Iterable[bytes]) -> ValidationReport:
             report.format = fmt
         elif fmt != report.format:
             report.error(
-                line_no, f"looks like {fmt} but the file started as {report.format}; "
+                line_no,
+                f"looks like {fmt} but the file started as {report.format}; "
                 "use one format per file",
             )
             continue

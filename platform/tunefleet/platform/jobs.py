@@ -185,11 +185,7 @@ def job_view(job: Job) -> dict[str, Any]:
     """The OpenAI ``fine_tuning.job`` object."""
     spec = JobSpec.model_validate(job.spec)
     hp = spec.hyperparameters.model_dump()
-    extra = {
-        k: v
-        for k, v in job.request.items()
-        if k not in JobCreateRequest.model_fields
-    }
+    extra = {k: v for k, v in job.request.items() if k not in JobCreateRequest.model_fields}
     return {
         "id": job.id,
         "object": "fine_tuning.job",

@@ -23,8 +23,9 @@ class ModelRegistry:
         if not self.root.exists():
             return []
         return sorted(
-            p.name for p in self.root.iterdir() if (p / "config.json").is_file()
-            and (p / "model.safetensors").is_file()
+            p.name
+            for p in self.root.iterdir()
+            if (p / "config.json").is_file() and (p / "model.safetensors").is_file()
         )
 
     def path(self, name: str) -> Path:
@@ -40,8 +41,9 @@ class ModelRegistry:
         if name not in available:
             listing = ", ".join(available) if available else "none yet"
             hint = (
-                "" if available else "; run `tunefleet models prepare` to add the built-in "
-                f"{BUILTIN_MODEL}"
+                ""
+                if available
+                else f"; run `tunefleet models prepare` to add the built-in {BUILTIN_MODEL}"
             )
             raise InvalidRequest(
                 f"unknown base model {name!r}; available models: {listing}{hint}",

@@ -28,7 +28,8 @@ class Settings(BaseSettings):
     )
     artifact_root: Path | None = Field(
         default=None,
-        description="Artifact store root (uploads, checkpoints, adapters). Default data_dir/artifacts.",
+        description="Artifact store root (uploads, checkpoints, adapters). "
+        "Default data_dir/artifacts.",
     )
     model_registry: Path | None = Field(
         default=None,
@@ -37,7 +38,7 @@ class Settings(BaseSettings):
     )
     ray_address: str = Field(
         default="",
-        description="Ray cluster to use (`ray://...`, `auto` or host:port). Empty starts a local one.",
+        description="Ray cluster to use (`auto` or host:port). Empty starts a local one.",
     )
     ray_dashboard_url: str = Field(
         default="",

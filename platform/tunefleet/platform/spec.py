@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SPEC_VERSION = 1
+SPEC_VERSION: Literal[1] = 1
 
 # What "auto" resolves to. Documented in docs/jobs.md; the memory planner (issue 6)
 # replaces the batch-size rule.
@@ -33,7 +33,7 @@ class LoraOptions(_Frozen):
     """LoRA adapter shape (peft ``LoraConfig``)."""
 
     r: int = Field(default=8, ge=1, le=1024, description="Rank of the low-rank update.")
-    alpha: float = Field(default=16, gt=0, description="Scaling numerator: update = alpha/r * BA.")
+    alpha: int = Field(default=16, gt=0, description="Scaling numerator: update = alpha/r * BA.")
     dropout: float = Field(default=0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],

@@ -84,8 +84,10 @@ def authenticate(session: Session, authorization: str | None) -> Principal:
         )
     token = authorization[7:].strip()
     key = session.scalar(select(ApiKey).where(ApiKey.prefix == token[:PREFIX_LEN]))
-    if key is None or key.revoked_at is not None or not hmac.compare_digest(
-        key.secret_hash, _hash(token)
+    if (
+        key is None
+        or key.revoked_at is not None
+        or not hmac.compare_digest(key.secret_hash, _hash(token))
     ):
         shown = token[:PREFIX_LEN] + "..." if len(token) > PREFIX_LEN else "(short key)"
         raise Unauthenticated(f"API key {shown} is not valid or was revoked")

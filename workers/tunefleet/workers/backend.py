@@ -18,7 +18,13 @@ from tunefleet.platform.settings import Settings
 log = logging.getLogger(__name__)
 
 # Ray job states, spelled as Ray spells them.
-PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"
+PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED = (
+    "PENDING",
+    "RUNNING",
+    "SUCCEEDED",
+    "FAILED",
+    "STOPPED",
+)
 NOT_FOUND = "NOT_FOUND"
 TERMINAL_RAY = {SUCCEEDED, FAILED, STOPPED}
 
@@ -58,7 +64,7 @@ class RayBackend:
                 # Runs get the same interpreter and packages as this process.
                 runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
             )
-            dashboard = "http://" + info.dashboard_url
+            dashboard = f"http://{info.dashboard_url}"
         from ray.job_submission import JobSubmissionClient
 
         self._client = JobSubmissionClient(dashboard)
@@ -148,9 +154,11 @@ def app_name(base_model: str) -> str:
 
 
 def _dashboard_of(ray: Any) -> str:
-    url = ray.get_runtime_context().get_dashboard_url() if hasattr(
-        ray.get_runtime_context(), "get_dashboard_url"
-    ) else ""
+    url = (
+        ray.get_runtime_context().get_dashboard_url()
+        if hasattr(ray.get_runtime_context(), "get_dashboard_url")
+        else ""
+    )
     return url if url.startswith("http") else f"http://{url or '127.0.0.1:8265'}"
 
 

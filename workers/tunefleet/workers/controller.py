@@ -68,36 +68,57 @@ class Controller:
             for job in s.scalars(select(Job).where(Job.status == S.VALIDATING_FILES.value)):
                 files = [job.training_file] + ([job.validation_file] if job.validation_file else [])
                 rows = [s.get(File, f) for f in files]
-                bad = [f for f, row in zip(files, rows, strict=True)
-                       if row is None or row.status != "processed"]
+                bad = [
+                    f
+                    for f, row in zip(files, rows, strict=True)
+                    if row is None or row.status != "processed"
+                ]
                 if bad:
                     transition(
-                        s, job.id, S.VALIDATING_FILES, S.FAILED,
-                        f"File validation failed: {', '.join(bad)} not usable", level="error",
-                        error={"code": "invalid_file", "message": f"files not usable: {bad}",
-                               "param": "training_file"},
+                        s,
+                        job.id,
+                        S.VALIDATING_FILES,
+                        S.FAILED,
+                        f"File validation failed: {', '.join(bad)} not usable",
+                        level="error",
+                        error={
+                            "code": "invalid_file",
+                            "message": f"files not usable: {bad}",
+                            "param": "training_file",
+                        },
                     )
                     continue
                 examples = rows[0].stats.get("examples") if rows[0] else None
                 transition(
-                    s, job.id, S.VALIDATING_FILES, S.QUEUED,
+                    s,
+                    job.id,
+                    S.VALIDATING_FILES,
+                    S.QUEUED,
                     f"Validated training file: {examples} examples; job queued",
                 )
 
     def _dispatch(self) -> None:
         with session_scope(self.db_url) as s:
-            n_running = s.scalar(
-                select(func.count()).select_from(Job).where(Job.status == S.RUNNING.value)
-            ) or 0
-            queued = list(s.scalars(
-                select(Job).where(Job.status == S.QUEUED.value)
-                .order_by(Job.priority.desc(), Job.created_at, Job.id)
-            ))
+            n_running = (
+                s.scalar(select(func.count()).select_from(Job).where(Job.status == S.RUNNING.value))
+                or 0
+            )
+            queued = list(
+                s.scalars(
+                    select(Job)
+                    .where(Job.status == S.QUEUED.value)
+                    .order_by(Job.priority.desc(), Job.created_at, Job.id)
+                )
+            )
             free = self.max_running - n_running
-            to_start = queued[:max(free, 0)]
-            for position, job in enumerate(queued[len(to_start):], start=1):
-                last = s.scalar(select(JobEvent.message).where(JobEvent.job_id == job.id)
-                                .order_by(JobEvent.seq.desc()).limit(1))
+            to_start = queued[: max(free, 0)]
+            for position, job in enumerate(queued[len(to_start) :], start=1):
+                last = s.scalar(
+                    select(JobEvent.message)
+                    .where(JobEvent.job_id == job.id)
+                    .order_by(JobEvent.seq.desc())
+                    .limit(1)
+                )
                 message = f"Waiting in queue at position {position}"
                 if last != message:
                     add_event(s, job.id, message, data={"queue_position": position})
@@ -105,9 +126,14 @@ class Controller:
                 attempt = job.attempt + 1
                 sid = f"{job.id}-{attempt}"
                 transition(
-                    s, job.id, S.QUEUED, S.RUNNING, f"Dispatched as Ray job {sid}",
+                    s,
+                    job.id,
+                    S.QUEUED,
+                    S.RUNNING,
+                    f"Dispatched as Ray job {sid}",
                     data={"ray_submission_id": sid, "attempt": attempt},
-                    attempt=attempt, ray_submission_id=sid,
+                    attempt=attempt,
+                    ray_submission_id=sid,
                 )
         # Submit after the commit: a crash here leaves a running job whose Ray job is
         # NOT_FOUND, which _follow_running submits again under the same id.
@@ -125,14 +151,21 @@ class Controller:
         except Exception as exc:
             with session_scope(self.db_url) as s:
                 transition(
-                    s, job_id, S.RUNNING, S.FAILED, f"Could not submit to Ray: {exc}",
-                    level="error", error={"code": "dispatch_failed", "message": str(exc)},
+                    s,
+                    job_id,
+                    S.RUNNING,
+                    S.FAILED,
+                    f"Could not submit to Ray: {exc}",
+                    level="error",
+                    error={"code": "dispatch_failed", "message": str(exc)},
                 )
 
     def _follow_running(self) -> None:
         with session_scope(self.db_url) as s:
-            jobs = [(j.id, j.ray_submission_id) for j in
-                    s.scalars(select(Job).where(Job.status == S.RUNNING.value))]
+            jobs = [
+                (j.id, j.ray_submission_id)
+                for j in s.scalars(select(Job).where(Job.status == S.RUNNING.value))
+            ]
         for job_id, sid in jobs:
             if sid is None:
                 continue
@@ -163,20 +196,34 @@ class Controller:
             assert tenant is not None
             spec = JobSpec.model_validate(job.spec)
             name = fine_tuned_model_name(job.model, tenant.name, spec.suffix, job.id)
-            s.add(Adapter(id=new_id("adapter"), tenant_id=job.tenant_id, job_id=job.id,
-                          name=name, base_model=job.model, path=key))
+            s.add(
+                Adapter(
+                    id=new_id("adapter"),
+                    tenant_id=job.tenant_id,
+                    job_id=job.id,
+                    name=name,
+                    base_model=job.model,
+                    path=key,
+                )
+            )
             transition(
-                s, job_id, S.RUNNING, S.SUCCEEDED,
+                s,
+                job_id,
+                S.RUNNING,
+                S.SUCCEEDED,
                 f"The job has successfully completed; fine-tuned model {name}",
-                fine_tuned_model=name, estimated_finish=None,
+                fine_tuned_model=name,
+                estimated_finish=None,
                 result_files=[],
             )
 
     def _fail(self, job_id: str, sid: str | None, message: str) -> None:
         with session_scope(self.db_url) as s:
             recorded = s.scalar(
-                select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.level == "error")
-                .order_by(JobEvent.seq.desc()).limit(1)
+                select(JobEvent.data)
+                .where(JobEvent.job_id == job_id, JobEvent.level == "error")
+                .order_by(JobEvent.seq.desc())
+                .limit(1)
             )
             error: dict[str, Any]
             if recorded and "error" in recorded:
@@ -185,20 +232,30 @@ class Controller:
                 tail = self.backend.run_logs_tail(sid) if sid else ""
                 error = {"code": "training_failed", "message": (message + "\n" + tail).strip()}
             error.setdefault("param", None)
-            transition(s, job_id, S.RUNNING, S.FAILED, f"Job failed: {error['message'][:500]}",
-                       level="error", error=error)
+            transition(
+                s,
+                job_id,
+                S.RUNNING,
+                S.FAILED,
+                f"Job failed: {error['message'][:500]}",
+                level="error",
+                error=error,
+            )
 
     def _stop_cancelled(self) -> None:
         with session_scope(self.db_url) as s:
-            rows = list(s.execute(
-                select(Job.id, Job.ray_submission_id).where(
-                    Job.status.in_([S.CANCELLED.value, S.PAUSED.value]),
-                    Job.ray_submission_id.is_not(None),
-                    # Runs stop within seconds; older rows were dealt with long ago.
-                    Job.updated_at >= now_s() - 3600,
+            rows = list(
+                s.execute(
+                    select(Job.id, Job.ray_submission_id).where(
+                        Job.status.in_([S.CANCELLED.value, S.PAUSED.value]),
+                        Job.ray_submission_id.is_not(None),
+                        # Runs stop within seconds; older rows were dealt with long ago.
+                        Job.updated_at >= now_s() - 3600,
+                    )
                 )
-            ))
+            )
         for job_id, sid in rows:
+            assert sid is not None  # filtered in the query
             if self.backend.run_status(sid).status not in TERMINAL_RAY | {NOT_FOUND}:
                 self.backend.stop_run(sid)
                 log.info("stopped run %s of %s", sid, job_id)

@@ -74,9 +74,16 @@ async def upload_file(
         report = validate_file(store.path(key))
         raise_for_report(report, filename)
         row = File(
-            id=file_id, tenant_id=principal.tenant_id, filename=filename, purpose=purpose,
-            bytes=size, status="processed", format=report.format,
-            stats={"examples": report.examples}, path=key, created_at=now_s(),
+            id=file_id,
+            tenant_id=principal.tenant_id,
+            filename=filename,
+            purpose=purpose,
+            bytes=size,
+            status="processed",
+            format=report.format,
+            stats={"examples": report.examples},
+            path=key,
+            created_at=now_s(),
         )
         session.add(row)
         session.commit()

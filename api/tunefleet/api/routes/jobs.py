@@ -36,8 +36,11 @@ def create(
     def existing() -> Job | None:
         if idempotency_key is None:
             return None
-        return session.scalar(select(Job).where(
-            Job.tenant_id == principal.tenant_id, Job.idempotency_key == idempotency_key))
+        return session.scalar(
+            select(Job).where(
+                Job.tenant_id == principal.tenant_id, Job.idempotency_key == idempotency_key
+            )
+        )
 
     if (job := existing()) is not None:
         return job_view(job)
@@ -103,7 +106,10 @@ def retrieve(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[
 def cancel(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     job = get_job(session, principal, job_id)
     transition(
-        session, job.id, [S.VALIDATING_FILES, S.QUEUED, S.RUNNING, S.PAUSED], S.CANCELLED,
+        session,
+        job.id,
+        [S.VALIDATING_FILES, S.QUEUED, S.RUNNING, S.PAUSED],
+        S.CANCELLED,
         "Job cancelled by request",
     )
     session.commit()
@@ -132,17 +138,24 @@ def checkpoints(
     limit: Annotated[int, Query(ge=1, le=100)] = 10,
 ) -> dict[str, Any]:
     job = get_job(session, principal, job_id)
-    rows = list(session.scalars(
-        select(Checkpoint).where(Checkpoint.job_id == job.id)
-        .order_by(Checkpoint.step.desc()).limit(limit + 1)
-    ))
-    data = [{
-        "id": c.id,
-        "object": "fine_tuning.job.checkpoint",
-        "created_at": c.created_at,
-        "fine_tuning_job_id": job.id,
-        "fine_tuned_model_checkpoint": f"{job.model}:ckpt-step-{c.step}:{job.id}",
-        "step_number": c.step,
-        "metrics": {"step": c.step, **c.metrics},
-    } for c in rows[:limit]]
+    rows = list(
+        session.scalars(
+            select(Checkpoint)
+            .where(Checkpoint.job_id == job.id)
+            .order_by(Checkpoint.step.desc())
+            .limit(limit + 1)
+        )
+    )
+    data = [
+        {
+            "id": c.id,
+            "object": "fine_tuning.job.checkpoint",
+            "created_at": c.created_at,
+            "fine_tuning_job_id": job.id,
+            "fine_tuned_model_checkpoint": f"{job.model}:ckpt-step-{c.step}:{job.id}",
+            "step_number": c.step,
+            "metrics": {"step": c.step, **c.metrics},
+        }
+        for c in rows[:limit]
+    ]
     return {"object": "list", "data": data, "has_more": len(rows) > limit}

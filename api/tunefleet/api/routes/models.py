@@ -19,8 +19,13 @@ def _base(name: str) -> dict[str, Any]:
 
 
 def _adapter(a: Adapter, tenant_name: str) -> dict[str, Any]:
-    return {"id": a.name, "object": "model", "created": a.created_at, "owned_by": tenant_name,
-            "parent": a.base_model}
+    return {
+        "id": a.name,
+        "object": "model",
+        "created": a.created_at,
+        "owned_by": tenant_name,
+        "parent": a.base_model,
+    }
 
 
 @router.get("")
@@ -28,8 +33,7 @@ def list_models(
     session: SessionDep, principal: PrincipalDep, registry: RegistryDep
 ) -> dict[str, Any]:
     adapters = session.scalars(
-        select(Adapter).where(Adapter.tenant_id == principal.tenant_id)
-        .order_by(Adapter.created_at)
+        select(Adapter).where(Adapter.tenant_id == principal.tenant_id).order_by(Adapter.created_at)
     )
     data = [_base(n) for n in registry.names()]
     data += [_adapter(a, principal.tenant_name) for a in adapters]
@@ -46,6 +50,9 @@ def retrieve_model(
         select(Adapter).where(Adapter.name == model, Adapter.tenant_id == principal.tenant_id)
     )
     if adapter is None:
-        raise NotFound(f"no model named {model!r}; list yours with GET /v1/models",
-                       param="model", code="model_not_found")
+        raise NotFound(
+            f"no model named {model!r}; list yours with GET /v1/models",
+            param="model",
+            code="model_not_found",
+        )
     return _adapter(adapter, principal.tenant_name)

@@ -18,7 +18,7 @@ def now_s() -> int:
 
 
 class Base(DeclarativeBase):
-    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+    """Declarative base of every TuneFleet table."""
 
 
 class Tenant(Base):

@@ -104,7 +104,7 @@ class LoraServer:
 
     def _generate(self, req: ChatRequest, adapter_id: str) -> dict[str, Any]:
         messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
-        enc = self.tokenizer.apply_chat_template(
+        enc: Any = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
         max_new = req.max_completion_tokens or req.max_tokens or 256
@@ -123,7 +123,7 @@ class LoraServer:
             if hasattr(self.model, "peft_config"):
                 kwargs["adapter_names"] = [adapter_id or BASE]
             out = self.model.generate(**enc, **kwargs)
-        new_ids = out[0, enc["input_ids"].shape[1]:]
+        new_ids = out[0, enc["input_ids"].shape[1] :]
         text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
         finish = "length" if len(new_ids) >= max_new else "stop"
         for stop in stops:
@@ -134,12 +134,14 @@ class LoraServer:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": req.model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish,
-                "logprobs": None,
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
+            ],
             "usage": {
                 "prompt_tokens": int(enc["input_ids"].shape[1]),
                 "completion_tokens": len(new_ids),
@@ -153,10 +155,17 @@ class LoraServer:
         adapter_id = serve.get_multiplexed_model_id()
         if adapter_id:
             if not self.store.exists(self.store.adapter_key(adapter_id)):
-                return JSONResponse(status_code=404, content={"error": {
-                    "message": f"adapter {adapter_id!r} is not in the artifact store",
-                    "type": "invalid_request_error", "param": "model",
-                    "code": "model_not_found"}})
+                return JSONResponse(
+                    status_code=404,
+                    content={
+                        "error": {
+                            "message": f"adapter {adapter_id!r} is not in the artifact store",
+                            "type": "invalid_request_error",
+                            "param": "model",
+                            "code": "model_not_found",
+                        }
+                    },
+                )
             await self.get_adapter(adapter_id)
         return JSONResponse(await asyncio.to_thread(self._generate, req, adapter_id))
 
@@ -166,4 +175,5 @@ class LoraServer:
 
 
 def build_app(*, base_model: str, model_path: str, artifact_root: str) -> Any:
-    return LoraServer.options(name="LoraServer").bind(base_model, model_path, artifact_root)
+    deployment: Any = LoraServer  # the @serve.deployment wrapper, untyped
+    return deployment.options(name="LoraServer").bind(base_model, model_path, artifact_root)

@@ -49,8 +49,13 @@ def _chat_example(tokenizer: Any, messages: list[dict[str, Any]]) -> Example:
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant" or msg.get("weight", 1) == 0:
             continue
-        start = len(tokenizer.apply_chat_template(clean[:i], tokenize=False,
-                                                  add_generation_prompt=True)) if i else 0
+        start = (
+            len(
+                tokenizer.apply_chat_template(clean[:i], tokenize=False, add_generation_prompt=True)
+            )
+            if i
+            else 0
+        )
         end = len(tokenizer.apply_chat_template(clean[: i + 1], tokenize=False))
         spans.append((start, end))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)

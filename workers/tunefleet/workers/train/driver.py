@@ -77,7 +77,10 @@ def main() -> None:
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         with session_scope(get_settings().resolved_database_url) as s:
             add_event(
-                s, job_id, f"Training failed: {detail}", level="error",
+                s,
+                job_id,
+                f"Training failed: {detail}",
+                level="error",
                 data={"error": {"code": "training_failed", "message": detail}},
             )
         traceback.print_exc()

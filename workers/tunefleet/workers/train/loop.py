@@ -53,8 +53,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     # --- setup ----------------------------------------------------------------------
     tokenizer = AutoTokenizer.from_pretrained(config["model_path"])
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
-        tokenizer.eos_token_id or 0
+    pad_id = (
+        tokenizer.pad_token_id
+        if tokenizer.pad_token_id is not None
+        else (tokenizer.eos_token_id or 0)
     )
     model = build_model(spec, config["model_path"])
     trainable, total = model.get_nb_trainable_parameters()
@@ -72,8 +74,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         total_steps = min(total_steps, spec.tunefleet.max_steps)
 
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=spec.learning_rate,
-        weight_decay=0.0, foreach=True,
+        [p for p in model.parameters() if p.requires_grad],
+        lr=spec.learning_rate,
+        weight_decay=0.0,
+        foreach=True,
     )
     scheduler = get_linear_schedule_with_warmup(
         optimizer, int(spec.tunefleet.warmup_ratio * total_steps), total_steps
@@ -90,7 +94,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         with session_scope(db_url) as s:
             resumed = f", resumed at step {step}" if step else ""
             record_message(
-                s, spec.job_id,
+                s,
+                spec.job_id,
                 f"Training {total_steps} steps on {world} worker(s): {len(data.examples)} "
                 f"examples, {data.truncated} truncated to {spec.tunefleet.max_seq_len} tokens; "
                 f"{trainable:,} trainable of {total:,} parameters{resumed}",
@@ -100,14 +105,20 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             if is_chief:
                 ckpt_files.save(
-                    Path(tmp), peft_model, optimizer, scheduler,
+                    Path(tmp),
+                    peft_model,
+                    optimizer,
+                    scheduler,
                     {"step": step, "trained_tokens": trained_tokens},
                 )
                 ckpt = ray.train.Checkpoint.from_directory(tmp)
                 ray.train.report({**metrics, "step": step, "final": final}, checkpoint=ckpt)
                 with session_scope(db_url) as s:
                     record_checkpoint(
-                        s, spec.job_id, step=step, path=f"ray://{spec.job_id}/step-{step}",
+                        s,
+                        spec.job_id,
+                        step=step,
+                        path=f"ray://{spec.job_id}/step-{step}",
                         metrics=metrics,
                     )
             else:
@@ -152,7 +163,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 window_tokens, window_start = 0, now
                 with session_scope(db_url) as s:
                     record_metrics(
-                        s, spec.job_id, step=step, total_steps=total_steps, metrics=metrics,
+                        s,
+                        spec.job_id,
+                        step=step,
+                        total_steps=total_steps,
+                        metrics=metrics,
                         trained_tokens=trained_tokens,
                         eta_s=(total_steps - step) / rate if rate > 0 else None,
                     )
@@ -164,4 +179,3 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             save_checkpoint(False, {"train_loss": last_loss})
 
     save_checkpoint(True, {"train_loss": last_loss, "trained_tokens": trained_tokens})
-
