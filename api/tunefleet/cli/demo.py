@@ -14,8 +14,8 @@ from importlib.resources import files
 from typing import Any
 
 import httpx
-from tqdm import tqdm
 
+from tunefleet.cli.client import follow
 from tunefleet.cli.stack import running_stack
 from tunefleet.platform.db import session_scope
 from tunefleet.platform.models import BUILTIN_MODEL
@@ -66,32 +66,6 @@ def _key(settings: Settings) -> str:
         tenant = s.scalar(select(Tenant).where(Tenant.name == "demo"))
         tenant = tenant or create_tenant(s, "demo")
         return create_key(s, tenant.id, name="demo")[1]
-
-
-def follow(client: httpx.Client, job_id: str) -> dict[str, Any]:
-    """Show a progress bar from the job's metric events until the job ends."""
-    bar = tqdm(total=None, desc="fine-tuning", unit="step")
-    seen: set[str] = set()
-    while True:
-        job: dict[str, Any] = client.get(f"/v1/fine_tuning/jobs/{job_id}").json()
-        events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()[
-            "data"
-        ]
-        for ev in reversed(events):
-            if ev["id"] in seen:
-                continue
-            seen.add(ev["id"])
-            if ev["type"] == "metrics" and ev["data"]:
-                bar.total = ev["data"]["total_steps"]
-                bar.n = ev["data"]["step"]
-                bar.set_postfix(loss=f"{ev['data']['train_loss']:.3f}")
-                bar.refresh()
-            else:
-                tqdm.write(f"  [{ev['level']}] {ev['message']}")
-        if job["status"] in ("succeeded", "failed", "cancelled"):
-            bar.close()
-            return job
-        time.sleep(1.0)
 
 
 def ask(client: httpx.Client, model: str, question: str) -> str:

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from tunefleet.cli.client import files_app, jobs_app
 from tunefleet.platform.db import session_scope
 from tunefleet.platform.db.migrate import downgrade as db_downgrade
 from tunefleet.platform.db.migrate import upgrade as db_upgrade
@@ -24,6 +25,8 @@ admin_app = typer.Typer(help="Tenants and API keys.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(models_app, name="models")
 app.add_typer(admin_app, name="admin")
+app.add_typer(files_app, name="files")
+app.add_typer(jobs_app, name="jobs")
 
 
 @app.command()

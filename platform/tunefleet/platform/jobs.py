@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from tunefleet.platform.db.models import File, Job, JobEvent, now_s
-from tunefleet.platform.errors import InvalidRequest, NotFound
+from tunefleet.platform.db.models import File, Job, JobEvent, Tenant, now_s
+from tunefleet.platform.errors import InvalidRequest, NotFound, QuotaExceeded
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.spec import (
@@ -130,6 +130,15 @@ def create_job(
 ) -> Job:
     """Validate references, build the spec and store the job in ``validating_files``."""
     registry.require(req.model)
+    options = req.tunefleet or TuneFleetOptions()
+    tenant = session.get(Tenant, principal.tenant_id)
+    gpus = options.resources.num_workers * options.resources.gpus_per_worker
+    if tenant is not None and gpus > tenant.max_gpus:
+        raise QuotaExceeded(
+            f"the job asks for {gpus:g} GPUs but tenant {tenant.name!r} may use at most "
+            f"{tenant.max_gpus}; lower tunefleet.resources or ask an admin to raise max_gpus",
+            param="tunefleet.resources",
+        )
     _usable_file(session, principal, req.training_file, "training_file")
     if req.validation_file:
         _usable_file(session, principal, req.validation_file, "validation_file")
@@ -143,7 +152,7 @@ def create_job(
         hyperparameters=req.resolved_hyperparameters(),
         seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
         suffix=req.suffix,
-        tunefleet=req.tunefleet or TuneFleetOptions(),
+        tunefleet=options,
     )
     now = now_s()
     job = Job(
@@ -208,7 +217,11 @@ def job_view(job: Job) -> dict[str, Any]:
         "result_files": job.result_files,
         "integrations": job.request.get("integrations") or [],
         "user_provided_suffix": spec.suffix,
-        "tunefleet": {**spec.tunefleet.model_dump(mode="json"), "unused_request_fields": extra},
+        "tunefleet": {
+            **spec.tunefleet.model_dump(mode="json"),
+            "file_stats": job.stats,
+            "unused_request_fields": extra,
+        },
     }
 
 
@@ -226,10 +239,21 @@ def event_view(event: JobEvent) -> dict[str, Any]:
 
 
 def list_events(
-    session: Session, job_id: str, *, after: str | None = None, limit: int = 20
+    session: Session,
+    job_id: str,
+    *,
+    after: str | None = None,
+    limit: int = 20,
+    level: str | None = None,
+    type: str | None = None,
 ) -> tuple[list[JobEvent], bool]:
-    """Events newest first (as OpenAI lists them), ``after`` an event id; returns has_more."""
+    """Events newest first (as OpenAI lists them), ``after`` an event id, optionally of
+    one ``level`` or ``type``; returns (events, has_more)."""
     query = select(JobEvent).where(JobEvent.job_id == job_id)
+    if level:
+        query = query.where(JobEvent.level == level)
+    if type:
+        query = query.where(JobEvent.type == type)
     if after:
         anchor = session.scalar(select(JobEvent.seq).where(JobEvent.id == after))
         if anchor is None:

@@ -15,9 +15,10 @@ import threading
 from typing import Any
 
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from tunefleet.platform.artifacts import ArtifactStore
-from tunefleet.platform.db import Adapter, File, Job, JobEvent, Tenant, now_s, session_scope
+from tunefleet.platform.db import Adapter, Job, JobEvent, Tenant, now_s, session_scope
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.settings import Settings
@@ -34,6 +35,8 @@ from tunefleet.workers.backend import (
 
 log = logging.getLogger(__name__)
 S = JobStatus
+# A paused run checkpoints and exits at its next step; past this it is stopped outright.
+PAUSE_GRACE_S = 120
 
 
 class Controller:
@@ -45,6 +48,7 @@ class Controller:
         self.store = ArtifactStore(settings.resolved_artifact_root)
         self.registry = ModelRegistry(settings.resolved_model_registry)
         self._served: set[str] = set()
+        self._tokenizers: dict[str, Any] = {}
 
     # -- the loop --------------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
@@ -60,85 +64,129 @@ class Controller:
         self._admit()
         self._follow_running()
         self._dispatch()
-        self._stop_cancelled()
+        self._stop_unwanted_runs()
 
     # -- steps -----------------------------------------------------------------------
     def _admit(self) -> None:
+        """Count each new job's files in its base model's tokens, then queue it (or fail
+        it with the reason when a file cannot be used)."""
         with session_scope(self.db_url) as s:
-            for job in s.scalars(select(Job).where(Job.status == S.VALIDATING_FILES.value)):
-                files = [job.training_file] + ([job.validation_file] if job.validation_file else [])
-                rows = [s.get(File, f) for f in files]
-                bad = [
-                    f
-                    for f, row in zip(files, rows, strict=True)
-                    if row is None or row.status != "processed"
-                ]
-                if bad:
+            pending = list(s.scalars(select(Job).where(Job.status == S.VALIDATING_FILES.value)))
+            for job in pending:
+                s.expunge(job)
+        for job in pending:
+            spec = JobSpec.model_validate(job.spec)
+            try:
+                stats = {
+                    role: self._file_stats(file_id, job.model, spec.tunefleet.max_seq_len)
+                    for role, file_id in (
+                        ("training_file", job.training_file),
+                        ("validation_file", job.validation_file),
+                    )
+                    if file_id
+                }
+                if stats["training_file"]["trained_tokens"] == 0:
+                    raise ValueError(
+                        "no example has tokens to learn from (assistant turns "
+                        "with weight 1, completions or text)"
+                    )
+            except Exception as exc:  # any unreadable file fails this job, not the loop
+                with session_scope(self.db_url) as s:
                     transition(
                         s,
                         job.id,
                         S.VALIDATING_FILES,
                         S.FAILED,
-                        f"File validation failed: {', '.join(bad)} not usable",
+                        f"File validation failed: {exc}",
                         level="error",
                         error={
                             "code": "invalid_file",
-                            "message": f"files not usable: {bad}",
+                            "message": str(exc),
                             "param": "training_file",
                         },
                     )
-                    continue
-                examples = rows[0].stats.get("examples") if rows[0] else None
+                continue
+            train = stats["training_file"]
+            with session_scope(self.db_url) as s:
                 transition(
                     s,
                     job.id,
                     S.VALIDATING_FILES,
                     S.QUEUED,
-                    f"Validated training file: {examples} examples; job queued",
+                    f"Validated training file: {train['examples']} examples, "
+                    f"{train['tokens']} tokens, {train['over_max_seq_len']} longer than "
+                    f"{train['max_seq_len']} (truncated); job queued",
+                    data=stats,
+                    stats=stats,
                 )
 
+    def _file_stats(self, file_id: str, model: str, max_seq_len: int) -> dict[str, int]:
+        from transformers import AutoTokenizer
+
+        from tunefleet.workers.train.data import token_stats
+
+        path = self.store.path(self.store.file_key(file_id))
+        if not path.exists():
+            raise FileNotFoundError(f"file {file_id} is no longer in the artifact store")
+        if model not in self._tokenizers:
+            self._tokenizers[model] = AutoTokenizer.from_pretrained(self.registry.require(model))
+        return token_stats(path, self._tokenizers[model], max_seq_len)
+
     def _dispatch(self) -> None:
+        """Start queued jobs by priority then age while run slots are free, never more
+        than a tenant's ``max_concurrent_jobs`` at once; tell the others their place."""
+        started: list[tuple[str, str]] = []
         with session_scope(self.db_url) as s:
-            n_running = (
-                s.scalar(select(func.count()).select_from(Job).where(Job.status == S.RUNNING.value))
-                or 0
+            running = dict(
+                s.execute(
+                    select(Job.tenant_id, func.count())
+                    .where(Job.status == S.RUNNING.value)
+                    .group_by(Job.tenant_id)
+                ).all()
             )
-            queued = list(
-                s.scalars(
-                    select(Job)
-                    .where(Job.status == S.QUEUED.value)
-                    .order_by(Job.priority.desc(), Job.created_at, Job.id)
-                )
+            limits = dict(s.execute(select(Tenant.id, Tenant.max_concurrent_jobs)).all())
+            free = self.max_running - sum(running.values())
+            queued = s.scalars(
+                select(Job)
+                .where(Job.status == S.QUEUED.value)
+                .order_by(Job.priority.desc(), Job.created_at, Job.id)
             )
-            free = self.max_running - n_running
-            to_start = queued[: max(free, 0)]
-            for position, job in enumerate(queued[len(to_start) :], start=1):
-                last = s.scalar(
-                    select(JobEvent.message)
-                    .where(JobEvent.job_id == job.id)
-                    .order_by(JobEvent.seq.desc())
-                    .limit(1)
-                )
-                message = f"Waiting in queue at position {position}"
-                if last != message:
-                    add_event(s, job.id, message, data={"queue_position": position})
-            for job in to_start:
-                attempt = job.attempt + 1
-                sid = f"{job.id}-{attempt}"
-                transition(
-                    s,
-                    job.id,
-                    S.QUEUED,
-                    S.RUNNING,
-                    f"Dispatched as Ray job {sid}",
-                    data={"ray_submission_id": sid, "attempt": attempt},
-                    attempt=attempt,
-                    ray_submission_id=sid,
-                )
+            position = 0
+            for job in queued:
+                if free > 0 and running.get(job.tenant_id, 0) < limits.get(job.tenant_id, 0):
+                    free -= 1
+                    running[job.tenant_id] = running.get(job.tenant_id, 0) + 1
+                    sid = f"{job.id}-{job.attempt + 1}"
+                    transition(
+                        s,
+                        job.id,
+                        S.QUEUED,
+                        S.RUNNING,
+                        f"Dispatched as Ray job {sid}",
+                        data={"ray_submission_id": sid, "attempt": job.attempt + 1},
+                        attempt=job.attempt + 1,
+                        ray_submission_id=sid,
+                    )
+                    started.append((job.id, sid))
+                    continue
+                position += 1
+                self._note_queue_position(s, job.id, position)
         # Submit after the commit: a crash here leaves a running job whose Ray job is
         # NOT_FOUND, which _follow_running submits again under the same id.
-        for job in to_start:
-            self._submit(job.id, f"{job.id}-{job.attempt + 1}")
+        for job_id, sid in started:
+            self._submit(job_id, sid)
+
+    @staticmethod
+    def _note_queue_position(s: Session, job_id: str, position: int) -> None:
+        message = f"Waiting in queue at position {position}"
+        last = s.scalar(
+            select(JobEvent.message)
+            .where(JobEvent.job_id == job_id)
+            .order_by(JobEvent.seq.desc())
+            .limit(1)
+        )
+        if last != message:
+            add_event(s, job_id, message, data={"queue_position": position})
 
     def _submit(self, job_id: str, sid: str) -> None:
         env = {
@@ -242,11 +290,13 @@ class Controller:
                 error=error,
             )
 
-    def _stop_cancelled(self) -> None:
+    def _stop_unwanted_runs(self) -> None:
+        """Stop the Ray jobs of cancelled jobs now, and of paused jobs whose training loop
+        did not checkpoint and leave by itself within ``PAUSE_GRACE_S``."""
         with session_scope(self.db_url) as s:
             rows = list(
                 s.execute(
-                    select(Job.id, Job.ray_submission_id).where(
+                    select(Job.id, Job.status, Job.updated_at, Job.ray_submission_id).where(
                         Job.status.in_([S.CANCELLED.value, S.PAUSED.value]),
                         Job.ray_submission_id.is_not(None),
                         # Runs stop within seconds; older rows were dealt with long ago.
@@ -254,11 +304,14 @@ class Controller:
                     )
                 )
             )
-        for job_id, sid in rows:
-            assert sid is not None  # filtered in the query
+        for job_id, status, updated_at, sid in rows:
+            if sid is None:
+                continue
+            if status == S.PAUSED.value and now_s() - updated_at < PAUSE_GRACE_S:
+                continue
             if self.backend.run_status(sid).status not in TERMINAL_RAY | {NOT_FOUND}:
                 self.backend.stop_run(sid)
-                log.info("stopped run %s of %s", sid, job_id)
+                log.info("stopped run %s of %s job %s", sid, status, job_id)
 
     # -- serving ---------------------------------------------------------------------
     def ensure_served(self, base_model: str) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep
+from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, StoreDep
 from tunefleet.platform.db import Checkpoint, Job
 from tunefleet.platform.errors import NotFound
 from tunefleet.platform.jobs import (
@@ -117,6 +117,26 @@ def cancel(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[st
     return job_view(job)
 
 
+@router.post("/{job_id}/pause")
+def pause(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+    """A running job checkpoints at its next step and stops; a queued one just waits."""
+    job = get_job(session, principal, job_id)
+    transition(session, job.id, [S.QUEUED, S.RUNNING], S.PAUSED, "Job paused by request")
+    session.commit()
+    session.refresh(job)
+    return job_view(job)
+
+
+@router.post("/{job_id}/resume")
+def resume(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+    """Queue a paused job again; its next run continues from its newest checkpoint."""
+    job = get_job(session, principal, job_id)
+    transition(session, job.id, S.PAUSED, S.QUEUED, "Job resumed by request; queued")
+    session.commit()
+    session.refresh(job)
+    return job_view(job)
+
+
 @router.get("/{job_id}/events")
 def events(
     job_id: str,
@@ -124,9 +144,11 @@ def events(
     principal: PrincipalDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+    level: Literal["info", "warn", "error"] | None = None,
+    type: Literal["message", "metrics"] | None = None,
 ) -> dict[str, Any]:
     job = get_job(session, principal, job_id)
-    rows, has_more = list_events(session, job.id, after=after, limit=limit)
+    rows, has_more = list_events(session, job.id, after=after, limit=limit, level=level, type=type)
     return {"object": "list", "data": [event_view(e) for e in rows], "has_more": has_more}
 
 
@@ -135,17 +157,17 @@ def checkpoints(
     job_id: str,
     session: SessionDep,
     principal: PrincipalDep,
+    store: StoreDep,
     limit: Annotated[int, Query(ge=1, le=100)] = 10,
 ) -> dict[str, Any]:
     job = get_job(session, principal, job_id)
+    # Ray Train keeps the newest few checkpoints on disk; list only those that exist.
     rows = list(
         session.scalars(
-            select(Checkpoint)
-            .where(Checkpoint.job_id == job.id)
-            .order_by(Checkpoint.step.desc())
-            .limit(limit + 1)
+            select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc())
         )
     )
+    rows = [c for c in rows if store.exists(c.path)][: limit + 1]
     data = [
         {
             "id": c.id,

@@ -108,6 +108,28 @@ def load_dataset(path: Path, tokenizer: Any, max_seq_len: int) -> TokenizedDatas
     return TokenizedDataset(examples, truncated)
 
 
+def token_stats(path: Path, tokenizer: Any, max_seq_len: int) -> dict[str, int]:
+    """What a file holds in the base model's tokens: examples, tokens, trained (loss)
+    tokens, and examples longer than ``max_seq_len`` (truncated when training)."""
+    stats = {
+        "examples": 0,
+        "tokens": 0,
+        "trained_tokens": 0,
+        "over_max_seq_len": 0,
+        "max_seq_len": max_seq_len,
+    }
+    with path.open("rb") as fh:
+        for raw in fh:
+            if not raw.strip():
+                continue
+            ex = tokenize_example(tokenizer, json.loads(raw))
+            stats["examples"] += 1
+            stats["tokens"] += len(ex.input_ids)
+            stats["trained_tokens"] += sum(label != IGNORE for label in ex.labels)
+            stats["over_max_seq_len"] += len(ex.input_ids) > max_seq_len
+    return stats
+
+
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     """The example order of one epoch: a shuffle determined by (seed, epoch) alone."""
     order = list(range(n))

@@ -47,20 +47,26 @@ def run(job_id: str) -> None:
             "database_url": db_url,
             "model_path": str(registry.require(spec.model)),
             "train_path": str(store.path(store.file_key(spec.training_file))),
+            "checkpoints_key": store.checkpoints_key(job_id),
         },
         scaling_config=ScalingConfig(
             num_workers=res.num_workers,
             use_gpu=res.gpus_per_worker > 0,
             resources_per_worker={"CPU": res.cpus_per_worker, "GPU": res.gpus_per_worker},
         ),
+        # Same name and storage on every run of a job: Ray Train restores the newest
+        # checkpoint by itself, which is how pause/resume and retries continue.
         run_config=RunConfig(
             name=job_id,
-            storage_path=str(store.path("ray_runs")),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            storage_path=str(store.path(store.checkpoints_key(job_id)).parent),
+            checkpoint_config=CheckpointConfig(num_to_keep=3),
             failure_config=FailureConfig(max_failures=2),
         ),
     )
     result = trainer.fit()
+    if not result.metrics or not result.metrics.get("final"):
+        log.info("run of %s stopped early on request (%s)", job_id, result.metrics)
+        return
     if result.checkpoint is None:
         raise RuntimeError("training finished without a final checkpoint")
     with result.checkpoint.as_directory() as folder:

@@ -17,10 +17,12 @@ from typing import Any
 import ray.train
 import ray.train.torch
 import torch
+import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
+from sqlalchemy import select
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_linear_schedule_with_warmup
 
-from tunefleet.platform.db import session_scope
+from tunefleet.platform.db import Job, session_scope
 from tunefleet.platform.progress import record_checkpoint, record_message, record_metrics
 from tunefleet.platform.spec import JobSpec
 from tunefleet.workers.train import checkpoint as ckpt_files
@@ -102,6 +104,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             )
 
     def save_checkpoint(final: bool, metrics: dict[str, Any]) -> None:
+        """Report a checkpoint into the artifact store as ``checkpoints/{job}/step-N``."""
+        name = f"step-{step:08d}"
         with tempfile.TemporaryDirectory() as tmp:
             if is_chief:
                 ckpt_files.save(
@@ -111,18 +115,42 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     scheduler,
                     {"step": step, "trained_tokens": trained_tokens},
                 )
-                ckpt = ray.train.Checkpoint.from_directory(tmp)
-                ray.train.report({**metrics, "step": step, "final": final}, checkpoint=ckpt)
+                ray.train.report(
+                    {**metrics, "step": step, "final": final},
+                    checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                    checkpoint_dir_name=name,
+                )
                 with session_scope(db_url) as s:
                     record_checkpoint(
                         s,
                         spec.job_id,
                         step=step,
-                        path=f"ray://{spec.job_id}/step-{step}",
+                        path=f"{config['checkpoints_key']}/{name}",
                         metrics=metrics,
                     )
             else:
                 ray.train.report({**metrics, "step": step, "final": final})
+
+    def requested_stop() -> str | None:
+        """'paused' or 'cancelled' when the platform asked this job to stop; rank 0 reads
+        the database and every rank learns the answer, so all leave at the same step."""
+        code = 0
+        if is_chief:
+            with session_scope(db_url) as s:
+                status = s.scalar(select(Job.status).where(Job.id == spec.job_id))
+            code = {"paused": 1, "cancelled": 2}.get(status or "", 0)
+        if dist.is_available() and dist.is_initialized() and world > 1:
+            flag = torch.tensor([code])
+            dist.broadcast(flag, src=0)
+            code = int(flag.item())
+        return {1: "paused", 2: "cancelled"}.get(code)
+
+    def global_tokens(local: int) -> int:
+        if dist.is_available() and dist.is_initialized() and world > 1:
+            total = torch.tensor([local])
+            dist.all_reduce(total)
+            return int(total.item())
+        return local
 
     # --- steps ----------------------------------------------------------------------
     model.train()
@@ -146,7 +174,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            tokens = int(batch["attention_mask"].sum()) * world
+            tokens = global_tokens(int(batch["attention_mask"].sum()))
             trained_tokens += tokens
             window_tokens += tokens
             last_loss = float(out.loss.detach())
@@ -171,6 +199,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                         trained_tokens=trained_tokens,
                         eta_s=(total_steps - step) / rate if rate > 0 else None,
                     )
+            if step < total_steps and (stop := requested_stop()):
+                if stop == "paused":
+                    save_checkpoint(False, {"train_loss": last_loss, "stopped": stop})
+                    if is_chief:
+                        with session_scope(db_url) as s:
+                            record_message(s, spec.job_id, f"Paused at step {step}")
+                return
             every = spec.tunefleet.checkpoint_every_steps
             if every and step % every == 0 and step % steps_per_epoch and step < total_steps:
                 save_checkpoint(False, {"train_loss": last_loss})

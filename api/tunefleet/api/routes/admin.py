@@ -1,0 +1,141 @@
+"""``/v1/admin/...``: cross-tenant administration, for admin keys only (403 otherwise)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import func, select
+
+from tunefleet.api.deps import PrincipalDep, SessionDep
+from tunefleet.platform.db import ApiKey, Job, Tenant, now_s
+from tunefleet.platform.errors import Forbidden, NotFound
+from tunefleet.platform.jobs import job_view
+from tunefleet.platform.tenants import Principal, create_key, create_tenant
+
+
+def require_admin(principal: PrincipalDep) -> Principal:
+    if not principal.is_admin:
+        raise Forbidden(
+            f"key of tenant {principal.tenant_name!r} is not an admin key; admin routes need "
+            "one (`tunefleet admin create-key TENANT --admin`)"
+        )
+    return principal
+
+
+AdminDep = Annotated[Principal, Depends(require_admin)]
+router = APIRouter(prefix="/v1/admin", tags=["admin"])
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(description="1-63 lowercase letters, digits and '-'.")
+    max_concurrent_jobs: int = Field(default=4, ge=0, le=10_000)
+    max_gpus: int = Field(default=8, ge=0, le=100_000)
+
+
+class TenantUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_concurrent_jobs: int | None = Field(default=None, ge=0, le=10_000)
+    max_gpus: int | None = Field(default=None, ge=0, le=100_000)
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = ""
+    admin: bool = False
+
+
+def tenant_view(t: Tenant, active_jobs: int = 0) -> dict[str, Any]:
+    return {
+        "id": t.id,
+        "object": "tenant",
+        "name": t.name,
+        "created_at": t.created_at,
+        "max_concurrent_jobs": t.max_concurrent_jobs,
+        "max_gpus": t.max_gpus,
+        "active_jobs": active_jobs,
+    }
+
+
+def _tenant(session: SessionDep, tenant_id: str) -> Tenant:
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise NotFound(f"no tenant with id {tenant_id!r}", param="tenant_id")
+    return tenant
+
+
+@router.get("/tenants")
+def list_tenants(session: SessionDep, _: AdminDep) -> dict[str, Any]:
+    active = dict(
+        session.execute(
+            select(Job.tenant_id, func.count())
+            .where(Job.status.in_(["validating_files", "queued", "running", "paused"]))
+            .group_by(Job.tenant_id)
+        ).all()
+    )
+    rows = session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.name))
+    return {"object": "list", "data": [tenant_view(t, active.get(t.id, 0)) for t in rows]}
+
+
+@router.post("/tenants")
+def add_tenant(body: TenantCreate, session: SessionDep, _: AdminDep) -> dict[str, Any]:
+    tenant = create_tenant(
+        session, body.name, max_concurrent_jobs=body.max_concurrent_jobs, max_gpus=body.max_gpus
+    )
+    key, plaintext = create_key(session, tenant.id, name="initial")
+    session.commit()
+    return {**tenant_view(tenant), "api_key": plaintext, "key_id": key.id}
+
+
+@router.patch("/tenants/{tenant_id}")
+def update_tenant(
+    tenant_id: str, body: TenantUpdate, session: SessionDep, _: AdminDep
+) -> dict[str, Any]:
+    tenant = _tenant(session, tenant_id)
+    for field, value in body.model_dump(exclude_none=True).items():
+        setattr(tenant, field, value)
+    session.commit()
+    return tenant_view(tenant)
+
+
+@router.post("/tenants/{tenant_id}/keys")
+def add_key(tenant_id: str, body: KeyCreate, session: SessionDep, _: AdminDep) -> dict[str, Any]:
+    tenant = _tenant(session, tenant_id)
+    key, plaintext = create_key(session, tenant.id, name=body.name, is_admin=body.admin)
+    session.commit()
+    return {
+        "id": key.id,
+        "object": "api_key",
+        "prefix": key.prefix,
+        "tenant_id": tenant.id,
+        "admin": key.is_admin,
+        "api_key": plaintext,
+    }
+
+
+@router.delete("/keys/{key_id}")
+def revoke_key(key_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
+    key = session.get(ApiKey, key_id)
+    if key is None:
+        raise NotFound(f"no API key with id {key_id!r}", param="key_id")
+    key.revoked_at = key.revoked_at or now_s()
+    session.commit()
+    return {"id": key.id, "object": "api_key", "prefix": key.prefix, "revoked": True}
+
+
+@router.get("/jobs")
+def all_jobs(
+    session: SessionDep,
+    _: AdminDep,
+    status: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> dict[str, Any]:
+    query = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    if status:
+        query = query.where(Job.status == status)
+    return {
+        "object": "list",
+        "data": [{**job_view(j), "tenant_id": j.tenant_id} for j in session.scalars(query)],
+    }
