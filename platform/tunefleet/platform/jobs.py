@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from tunefleet.platform.db.models import File, Job, JobEvent, Tenant, now_s
+from tunefleet.platform.db.models import File, Job, JobEvent, Tenant
 from tunefleet.platform.errors import InvalidRequest, NotFound, QuotaExceeded
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
@@ -154,7 +155,8 @@ def create_job(
         suffix=req.suffix,
         tunefleet=options,
     )
-    now = now_s()
+    now_ns = time.time_ns()
+    now = now_ns // 1_000_000_000
     job = Job(
         id=job_id,
         tenant_id=principal.tenant_id,
@@ -169,6 +171,7 @@ def create_job(
         priority=spec.tunefleet.priority,
         idempotency_key=idempotency_key,
         created_at=now,
+        created_ns=now_ns,
         updated_at=now,
         result_files=[],
     )

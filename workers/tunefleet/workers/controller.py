@@ -149,7 +149,7 @@ class Controller:
             queued = s.scalars(
                 select(Job)
                 .where(Job.status == S.QUEUED.value)
-                .order_by(Job.priority.desc(), Job.created_at, Job.id)
+                .order_by(Job.priority.desc(), Job.created_ns, Job.id)
             )
             position = 0
             for job in queued:

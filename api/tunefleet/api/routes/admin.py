@@ -132,7 +132,7 @@ def all_jobs(
     status: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> dict[str, Any]:
-    query = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    query = select(Job).order_by(Job.created_ns.desc(), Job.id.desc()).limit(limit)
     if status:
         query = query.where(Job.status == status)
     return {

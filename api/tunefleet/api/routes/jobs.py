@@ -69,11 +69,11 @@ def list_jobs(
         if anchor is None or anchor.tenant_id != principal.tenant_id:
             raise NotFound(f"no fine-tuning job with id {after!r}", param="after")
         query = query.where(
-            (Job.created_at < anchor.created_at)
-            | ((Job.created_at == anchor.created_at) & (Job.id < anchor.id))
+            (Job.created_ns < anchor.created_ns)
+            | ((Job.created_ns == anchor.created_ns) & (Job.id < anchor.id))
         )
     wanted = _metadata_filter(request)
-    ordered = query.order_by(Job.created_at.desc(), Job.id.desc())
+    ordered = query.order_by(Job.created_ns.desc(), Job.id.desc())
     rows: list[Job] = []
     # Metadata is JSON, filtered here so SQLite and PostgreSQL agree; stop at limit + 1.
     for job in session.scalars(ordered if wanted else ordered.limit(limit + 1)):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -66,7 +66,7 @@ class File(Base):
 class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
-        Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
+        Index("ix_jobs_tenant_created_ns", "tenant_id", "created_ns"),
         Index("ix_jobs_status", "status"),
         Index("uq_jobs_tenant_idempotency", "tenant_id", "idempotency_key", unique=True),
     )
@@ -91,6 +91,9 @@ class Job(Base):
     ray_submission_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
     idempotency_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    # Nanosecond creation time: a total order for listing and cursors (created_at is
+    # whole seconds, as OpenAI reports it, and many jobs share a second).
+    created_ns: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     updated_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
     finished_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 

@@ -1,0 +1,122 @@
+"""Tenant isolation over every route: tenant B cannot see, use or change tenant A's files,
+jobs, events, checkpoints or adapters; each attempt is a 404 that reveals nothing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tunefleet.platform.db import Adapter, session_scope
+from tunefleet.platform.ids import new_id
+from tunefleet.platform.settings import Settings
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+
+
+def H(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+def a_objects(app_client: TestClient, key_a: str, settings: Settings) -> dict[str, Any]:
+    f = app_client.post(
+        "/v1/files",
+        headers=H(key_a),
+        data={"purpose": "fine-tune"},
+        files={"file": ("a.jsonl", json.dumps(CHAT).encode())},
+    ).json()
+    job = app_client.post(
+        "/v1/fine_tuning/jobs",
+        headers=H(key_a),
+        json={"model": "tiny-llama", "training_file": f["id"]},
+    ).json()
+    name = f"ft:tiny-llama:tenant-a::{job['id']}"
+    with session_scope(settings.resolved_database_url) as s:
+        s.add(
+            Adapter(
+                id=new_id("adapter"),
+                tenant_id=job["organization_id"],
+                job_id=job["id"],
+                name=name,
+                base_model="tiny-llama",
+                path=f"adapters/{job['id']}",
+            )
+        )
+    return {"file": f["id"], "job": job["id"], "model": name}
+
+
+ROUTES = [
+    ("GET", "/v1/files/{file}", None),
+    ("GET", "/v1/files/{file}/content", None),
+    ("DELETE", "/v1/files/{file}", None),
+    ("GET", "/v1/fine_tuning/jobs/{job}", None),
+    ("GET", "/v1/fine_tuning/jobs/{job}/events", None),
+    ("GET", "/v1/fine_tuning/jobs/{job}/checkpoints", None),
+    ("POST", "/v1/fine_tuning/jobs/{job}/cancel", None),
+    ("POST", "/v1/fine_tuning/jobs/{job}/pause", None),
+    ("POST", "/v1/fine_tuning/jobs/{job}/resume", None),
+    ("GET", "/v1/fine_tuning/jobs?after={job}", None),
+    ("POST", "/v1/fine_tuning/jobs", {"model": "tiny-llama", "training_file": "{file}"}),
+    (
+        "POST",
+        "/v1/fine_tuning/jobs",
+        {"model": "tiny-llama", "training_file": "{own}", "validation_file": "{file}"},
+    ),
+    ("GET", "/v1/models/{model}", None),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]},
+    ),
+]
+
+
+@pytest.mark.parametrize("method,path,body", ROUTES, ids=[f"{m} {p}" for m, p, _ in ROUTES])
+def test_tenant_b_gets_404(
+    app_client: TestClient,
+    key_b: str,
+    a_objects: dict[str, Any],
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+) -> None:
+    own = app_client.post(
+        "/v1/files",
+        headers=H(key_b),
+        data={"purpose": "fine-tune"},
+        files={"file": ("b.jsonl", json.dumps(CHAT).encode())},
+    ).json()["id"]
+    fill = {**a_objects, "own": own}
+    url = path.format(**fill)
+    payload = (
+        json.loads(
+            json.dumps(body)
+            .replace("{own}", own)
+            .replace("{file}", fill["file"])
+            .replace("{model}", fill["model"])
+        )
+        if body
+        else None
+    )
+    resp = app_client.request(method, url, headers=H(key_b), json=payload)
+    assert resp.status_code == 404, resp.text
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_tenant_a_still_has_everything(
+    app_client: TestClient, key_a: str, key_b: str, a_objects: dict[str, Any]
+) -> None:
+    for method, path, body in ROUTES[:6]:
+        app_client.request(method, path.format(**a_objects), headers=H(key_b))
+    assert app_client.get(f"/v1/files/{a_objects['file']}", headers=H(key_a)).status_code == 200
+    job = app_client.get(f"/v1/fine_tuning/jobs/{a_objects['job']}", headers=H(key_a)).json()
+    assert job["status"] == "validating_files"
+    listed_b = app_client.get("/v1/models", headers=H(key_b)).json()["data"]
+    assert a_objects["model"] not in [m["id"] for m in listed_b]
+    listed_a = app_client.get("/v1/models", headers=H(key_a)).json()["data"]
+    assert a_objects["model"] in [m["id"] for m in listed_a]
+    assert app_client.get("/v1/files", headers=H(key_b)).json()["data"] == []
+    assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_b)).json()["data"] == []
