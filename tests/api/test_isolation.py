@@ -109,7 +109,7 @@ def test_tenant_b_gets_404(
 def test_tenant_a_still_has_everything(
     app_client: TestClient, key_a: str, key_b: str, a_objects: dict[str, Any]
 ) -> None:
-    for method, path, body in ROUTES[:6]:
+    for method, path, _body in ROUTES[:6]:
         app_client.request(method, path.format(**a_objects), headers=H(key_b))
     assert app_client.get(f"/v1/files/{a_objects['file']}", headers=H(key_a)).status_code == 200
     job = app_client.get(f"/v1/fine_tuning/jobs/{a_objects['job']}", headers=H(key_a)).json()
