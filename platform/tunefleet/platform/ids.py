@@ -19,6 +19,11 @@ PREFIXES = {
 
 
 def new_id(kind: str, length: int = 24) -> str:
-    """A fresh id such as ``ftjob-3fA9...``; ``kind`` is a key of ``PREFIXES``."""
-    body = "".join(secrets.choice(_ALPHABET) for _ in range(length))
-    return f"{PREFIXES[kind]}-{body}"
+    """A fresh id such as ``ftjob-3fA9...``: ``length`` base-62 characters (about 143
+    random bits at the default) after the prefix of ``kind``, a key of ``PREFIXES``."""
+    n = int.from_bytes(secrets.token_bytes(length))
+    chars = []
+    for _ in range(length):
+        n, r = divmod(n, 62)
+        chars.append(_ALPHABET[r])
+    return f"{PREFIXES[kind]}-{''.join(chars)}"

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from tunefleet.platform.db.models import File, Job, JobEvent, Tenant
+from tunefleet.platform.db.models import File, Job, JobEvent
 from tunefleet.platform.errors import InvalidRequest, NotFound, QuotaExceeded
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
@@ -132,12 +132,12 @@ def create_job(
     """Validate references, build the spec and store the job in ``validating_files``."""
     registry.require(req.model)
     options = req.tunefleet or TuneFleetOptions()
-    tenant = session.get(Tenant, principal.tenant_id)
     gpus = options.resources.num_workers * options.resources.gpus_per_worker
-    if tenant is not None and gpus > tenant.max_gpus:
+    if gpus > principal.max_gpus:
         raise QuotaExceeded(
-            f"the job asks for {gpus:g} GPUs but tenant {tenant.name!r} may use at most "
-            f"{tenant.max_gpus}; lower tunefleet.resources or ask an admin to raise max_gpus",
+            f"the job asks for {gpus:g} GPUs but tenant {principal.tenant_name!r} may use at "
+            f"most {principal.max_gpus}; lower tunefleet.resources or ask an admin to raise "
+            "max_gpus",
             param="tunefleet.resources",
         )
     _usable_file(session, principal, req.training_file, "training_file")
@@ -176,7 +176,6 @@ def create_job(
         result_files=[],
     )
     session.add(job)
-    session.flush()
     add_event(session, job_id, f"Created fine-tuning job: {job_id}")
     return job
 

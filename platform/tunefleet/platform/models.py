@@ -13,6 +13,7 @@ from typing import Any
 from tunefleet.platform.errors import InvalidRequest
 
 BUILTIN_MODEL = "SmolLM2-135M-Instruct"
+_NAMES_CACHE: dict[Path, tuple[int, list[str]]] = {}
 
 
 class ModelRegistry:
@@ -20,8 +21,20 @@ class ModelRegistry:
         self.root = root
 
     def names(self) -> list[str]:
-        if not self.root.exists():
+        """Model folders with a config and safetensors weights, cached per process until
+        the registry folder changes (a model is added or removed by renaming into it)."""
+        try:
+            stamp = self.root.stat().st_mtime_ns
+        except FileNotFoundError:
             return []
+        cached = _NAMES_CACHE.get(self.root)
+        if cached is not None and cached[0] == stamp:
+            return list(cached[1])
+        names = self._scan()
+        _NAMES_CACHE[self.root] = (stamp, names)
+        return list(names)
+
+    def _scan(self) -> list[str]:
         return sorted(
             p.name
             for p in self.root.iterdir()

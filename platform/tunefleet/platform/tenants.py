@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import re
 import secrets
+import time
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -28,6 +29,7 @@ class Principal:
     tenant_name: str
     key_id: str
     is_admin: bool
+    max_gpus: int = 0
 
 
 def _hash(secret: str) -> str:
@@ -75,6 +77,18 @@ def create_key(
     return key, plaintext
 
 
+# Verified keys, briefly remembered so a busy client costs no database round trip per
+# request. A revoked key stops working in this process at once (``forget_keys``) and in
+# other API processes within AUTH_CACHE_TTL_S.
+AUTH_CACHE_TTL_S = 5.0
+_AUTH_CACHE: dict[str, tuple[float, Principal]] = {}
+_AUTH_CACHE_MAX = 10_000
+
+
+def forget_keys() -> None:
+    _AUTH_CACHE.clear()
+
+
 def authenticate(session: Session, authorization: str | None) -> Principal:
     """Resolve an ``Authorization: Bearer tf-...`` header to a principal, or raise 401."""
     if not authorization or not authorization.lower().startswith("bearer "):
@@ -83,19 +97,31 @@ def authenticate(session: Session, authorization: str | None) -> Principal:
             "`tunefleet admin create-key`)"
         )
     token = authorization[7:].strip()
+    digest = _hash(token)
+    cached = _AUTH_CACHE.get(digest)
+    if cached is not None and cached[0] > time.monotonic():
+        return cached[1]
     key = session.scalar(select(ApiKey).where(ApiKey.prefix == token[:PREFIX_LEN]))
     if (
         key is None
         or key.revoked_at is not None
-        or not hmac.compare_digest(key.secret_hash, _hash(token))
+        or not hmac.compare_digest(key.secret_hash, digest)
     ):
         shown = token[:PREFIX_LEN] + "..." if len(token) > PREFIX_LEN else "(short key)"
         raise Unauthenticated(f"API key {shown} is not valid or was revoked")
     tenant = session.get(Tenant, key.tenant_id)
     assert tenant is not None  # FK
-    return Principal(
-        tenant_id=tenant.id, tenant_name=tenant.name, key_id=key.id, is_admin=key.is_admin
+    principal = Principal(
+        tenant_id=tenant.id,
+        tenant_name=tenant.name,
+        key_id=key.id,
+        is_admin=key.is_admin,
+        max_gpus=tenant.max_gpus,
     )
+    if len(_AUTH_CACHE) >= _AUTH_CACHE_MAX:
+        _AUTH_CACHE.clear()
+    _AUTH_CACHE[digest] = (time.monotonic() + AUTH_CACHE_TTL_S, principal)
+    return principal
 
 
 def ensure_bootstrap_tenant(session: Session, name: str = "default") -> str | None:

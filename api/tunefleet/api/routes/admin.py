@@ -12,7 +12,7 @@ from tunefleet.api.deps import PrincipalDep, SessionDep
 from tunefleet.platform.db import ApiKey, Job, Tenant, now_s
 from tunefleet.platform.errors import Forbidden, NotFound
 from tunefleet.platform.jobs import job_view
-from tunefleet.platform.tenants import Principal, create_key, create_tenant
+from tunefleet.platform.tenants import Principal, create_key, create_tenant, forget_keys
 
 
 def require_admin(principal: PrincipalDep) -> Principal:
@@ -97,6 +97,7 @@ def update_tenant(
     for field, value in body.model_dump(exclude_none=True).items():
         setattr(tenant, field, value)
     session.commit()
+    forget_keys()  # cached principals carry the old quotas
     return tenant_view(tenant)
 
 
@@ -122,6 +123,7 @@ def revoke_key(key_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
         raise NotFound(f"no API key with id {key_id!r}", param="key_id")
     key.revoked_at = key.revoked_at or now_s()
     session.commit()
+    forget_keys()
     return {"id": key.id, "object": "api_key", "prefix": key.prefix, "revoked": True}
 
 
