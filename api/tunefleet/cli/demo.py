@@ -51,7 +51,7 @@ DEMO_JOB: dict[str, Any] = {
             ],
         },
         "max_seq_len": 128,
-        "max_steps": 36,
+        "max_steps": 30,
         "resources": {"num_workers": 1, "cpus_per_worker": 2},
     },
 }
