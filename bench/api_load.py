@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +46,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def client_loop(
-    http: httpx.AsyncClient,
+    http: aiohttp.ClientSession,
     key: str,
     file_id: str,
     client: int,
@@ -57,7 +58,7 @@ async def client_loop(
     headers = {"Authorization": f"Bearer {key}"}
     for seq in range(n):
         t0 = time.perf_counter()
-        resp = await http.post(
+        async with http.post(
             "/v1/fine_tuning/jobs",
             headers={**headers, "Idempotency-Key": f"c{client}-s{seq}"},
             json={
@@ -66,16 +67,20 @@ async def client_loop(
                 "seed": seq,
                 "metadata": {"client": str(client), "seq": str(seq)},
             },
-        )
+        ) as resp:
+            body = await resp.read()
         creates.append(time.perf_counter() - t0)
-        if resp.status_code != 200:
-            errors.append(f"create {resp.status_code}: {resp.text[:200]}")
+        if resp.status != 200:
+            errors.append(f"create {resp.status}: {body[:200]!r}")
         if seq % 5 == 4:
             t0 = time.perf_counter()
-            resp = await http.get("/v1/fine_tuning/jobs", headers=headers, params={"limit": 20})
+            async with http.get(
+                "/v1/fine_tuning/jobs", headers=headers, params={"limit": "20"}
+            ) as resp:
+                await resp.read()
             lists.append(time.perf_counter() - t0)
-            if resp.status_code != 200:
-                errors.append(f"list {resp.status_code}")
+            if resp.status != 200:
+                errors.append(f"list {resp.status}")
 
 
 def run_backend(kind: str, db_url: str, clients: int, per_client: int) -> dict[str, Any]:
@@ -132,8 +137,10 @@ def run_backend(kind: str, db_url: str, clients: int, per_client: int) -> dict[s
         errors: list[str] = []
 
         async def main() -> float:
-            limits = httpx.Limits(max_connections=clients)
-            async with httpx.AsyncClient(base_url=base, limits=limits, timeout=30) as http:
+            # aiohttp, not httpx: the load generator shares the 2 cores with the server
+            # and must cost as little CPU per request as it can.
+            connector = aiohttp.TCPConnector(limit=clients)
+            async with aiohttp.ClientSession(base, connector=connector) as http:
                 t0 = time.perf_counter()
                 await asyncio.gather(
                     *[
@@ -145,6 +152,26 @@ def run_backend(kind: str, db_url: str, clients: int, per_client: int) -> dict[s
                 )
                 return time.perf_counter() - t0
 
+        if os.environ.get("APILOAD_PYSPY"):  # profile one API worker while under load
+            import psutil
+
+            worker = psutil.Process(server.pid).children()[-1].pid
+            subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "-d",
+                    "8",
+                    "-f",
+                    "raw",
+                    "-o",
+                    os.environ["APILOAD_PYSPY"] + f".{kind}",
+                    "-p",
+                    str(worker),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         wall = asyncio.run(main())
         # Count what reached the database (the source of truth), not what the API says.
         from sqlalchemy import select

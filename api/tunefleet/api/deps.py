@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
@@ -14,13 +14,19 @@ from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.tenants import Principal, authenticate
 
+# The dependencies are ``async def`` although they do no I/O of their own (or, for the
+# key check, only on a cache miss): FastAPI runs sync dependencies in its thread pool, and
+# five pool hops per request cost more than the work itself.
 
-def get_settings_dep(request: Request) -> Settings:
+
+async def get_settings_dep(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_session(settings: Annotated[Settings, Depends(get_settings_dep)]) -> Iterator[Session]:
+async def get_session(
+    settings: Annotated[Settings, Depends(get_settings_dep)],
+) -> AsyncIterator[Session]:
     """A session per request. Routes commit what they write before they answer, so a
     client that reads right after a write sees it."""
     session = session_factory(settings.resolved_database_url)()
@@ -31,18 +37,18 @@ def get_session(settings: Annotated[Settings, Depends(get_settings_dep)]) -> Ite
         session.close()
 
 
-def get_principal(
+async def get_principal(
     session: Annotated[Session, Depends(get_session)],
     authorization: Annotated[str | None, Header()] = None,
 ) -> Principal:
     return authenticate(session, authorization)
 
 
-def get_store(settings: Annotated[Settings, Depends(get_settings_dep)]) -> ArtifactStore:
+async def get_store(settings: Annotated[Settings, Depends(get_settings_dep)]) -> ArtifactStore:
     return ArtifactStore(settings.resolved_artifact_root)
 
 
-def get_registry(settings: Annotated[Settings, Depends(get_settings_dep)]) -> ModelRegistry:
+async def get_registry(settings: Annotated[Settings, Depends(get_settings_dep)]) -> ModelRegistry:
     return ModelRegistry(settings.resolved_model_registry)
 
 

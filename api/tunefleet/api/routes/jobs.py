@@ -10,7 +10,7 @@ from sqlalchemy.exc import IntegrityError
 
 from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, StoreDep
 from tunefleet.platform.db import Checkpoint, Job
-from tunefleet.platform.errors import NotFound
+from tunefleet.platform.errors import NotFound, TuneFleetError
 from tunefleet.platform.jobs import (
     JobCreateRequest,
     create_job,
@@ -42,16 +42,19 @@ def create(
             )
         )
 
-    if (job := existing()) is not None:
-        return job_view(job)
+    # Insert first, look up on conflict: a first attempt (the common case) costs no extra
+    # query, and the unique index settles concurrent retries.
     try:
         job = create_job(session, principal, body, registry, idempotency_key=idempotency_key)
         session.commit()
-    except IntegrityError:
-        # A concurrent retry with the same Idempotency-Key won the insert: answer with it.
+    except (IntegrityError, TuneFleetError):
+        # A retry with the same Idempotency-Key answers with the job the first attempt
+        # made, even if the request would not validate any more (its file was deleted).
         session.rollback()
-        if (job := existing()) is None:
+        found = existing()
+        if found is None:
             raise
+        job = found
     return job_view(job)
 
 
