@@ -1,8 +1,12 @@
 """API load: 32 concurrent clients creating and listing fine-tuning jobs against a real
 server (uvicorn, 2 workers), on SQLite and then PostgreSQL.
 
-Reports creations per second and p50/p99 latency of creates and of lists, then checks
-in the database that every job arrived exactly once (each create carries a unique
+Two phases per backend. Closed loop: 32 clients each send their next request as soon as
+the last one answers; this gives the most creations per second the server sustains
+(latency there is set by Little's law: 32 in flight / throughput). Open loop: 32
+connections offer a fixed 300 creations/s on a schedule, and latency is measured from each
+request's scheduled time (no coordinated omission); this is the latency at the target rate.
+Afterwards the database must hold every job exactly once (each create carries a unique
 Idempotency-Key and metadata naming its client and sequence number).
 Target on the 2-core reference machine: >= 300 creations/s on PostgreSQL, p99 < 100 ms.
 
@@ -83,7 +87,49 @@ async def client_loop(
                 errors.append(f"list {resp.status}")
 
 
-def run_backend(kind: str, db_url: str, clients: int, per_client: int) -> dict[str, Any]:
+async def offered_load(
+    base: str, keys: list[str], files: list[str], clients: int, rate: float, duration_s: float
+) -> dict[str, Any]:
+    """Creates offered at ``rate`` per second on a fixed schedule over ``clients``
+    connections; each latency counts from the request's scheduled start."""
+    n = int(rate * duration_s)
+    latencies: list[float] = []
+    errors: list[str] = []
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(base, connector=connector) as http:
+        start = time.perf_counter() + 0.2
+
+        async def one(i: int) -> None:
+            due = start + i / rate
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            key, file_id = keys[i % len(keys)], files[i % len(files)]
+            body = {
+                "model": "tiny-llama",
+                "training_file": file_id,
+                "metadata": {"client": f"open-{i % clients}", "seq": str(i)},
+            }
+            headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": f"open-{i}"}
+            async with http.post("/v1/fine_tuning/jobs", json=body, headers=headers) as resp:
+                await resp.read()
+            latencies.append(time.perf_counter() - due)
+            if resp.status != 200:
+                errors.append(f"create {resp.status}")
+
+        await asyncio.gather(*[one(i) for i in range(n)])
+        wall = time.perf_counter() - start
+    return {
+        "offered_per_s": rate,
+        "achieved_per_s": round(n / wall, 1),
+        "creates": n,
+        "p50_ms": round(1000 * statistics.median(latencies), 1),
+        "p99_ms": round(1000 * percentile(latencies, 0.99), 1),
+        "errors": errors[:5],
+    }
+
+
+def run_backend(
+    kind: str, db_url: str, clients: int, per_client: int, rate: float, duration_s: float
+) -> dict[str, Any]:
     from tinyllm import build_tiny_llama
     from tunefleet.platform.db import session_scope
     from tunefleet.platform.db.migrate import upgrade
@@ -173,6 +219,7 @@ def run_backend(kind: str, db_url: str, clients: int, per_client: int) -> dict[s
                 stderr=subprocess.DEVNULL,
             )
         wall = asyncio.run(main())
+        open_loop = asyncio.run(offered_load(base, keys, files, clients, rate, duration_s))
         # Count what reached the database (the source of truth), not what the API says.
         from sqlalchemy import select
 
@@ -184,18 +231,21 @@ def run_backend(kind: str, db_url: str, clients: int, per_client: int) -> dict[s
         for meta in jobs:
             k = (meta["client"], meta["seq"])
             seen[k] = seen.get(k, 0) + 1
-        expected = clients * per_client
+        expected = clients * per_client + open_loop["creates"]
         return {
             "backend": kind,
-            "clients": clients,
-            "creates": len(creates),
-            "wall_s": round(wall, 3),
-            "creates_per_s": round(len(creates) / wall, 1),
-            "create_p50_ms": round(1000 * statistics.median(creates), 1),
-            "create_p99_ms": round(1000 * percentile(creates, 0.99), 1),
-            "list_p50_ms": round(1000 * statistics.median(lists), 1),
-            "list_p99_ms": round(1000 * percentile(lists, 0.99), 1),
-            "errors": errors[:5],
+            "closed_loop": {
+                "clients": clients,
+                "creates": len(creates),
+                "wall_s": round(wall, 3),
+                "creates_per_s": round(len(creates) / wall, 1),
+                "create_p50_ms": round(1000 * statistics.median(creates), 1),
+                "create_p99_ms": round(1000 * percentile(creates, 0.99), 1),
+                "list_p50_ms": round(1000 * statistics.median(lists), 1),
+                "list_p99_ms": round(1000 * percentile(lists, 0.99), 1),
+                "errors": errors[:5],
+            },
+            "open_loop": open_loop,
             "jobs_stored": len(jobs),
             "lost": expected - len(seen),
             "duplicated": sum(v - 1 for v in seen.values()),
@@ -209,23 +259,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--creates-per-client", type=int, default=50)
+    parser.add_argument("--rate", type=float, default=300.0, help="open-loop creates/s")
+    parser.add_argument("--duration", type=float, default=5.0, help="open-loop seconds")
     args = parser.parse_args()
+    shape = (args.clients, args.creates_per_client, args.rate, args.duration)
     from pg import postgres_cluster
 
     results = []
     sqlite_url = f"sqlite:///{tempfile.mkdtemp(prefix='apiload-')}/load.db"
-    results.append(run_backend("sqlite", sqlite_url, args.clients, args.creates_per_client))
+    results.append(run_backend("sqlite", sqlite_url, *shape))
     with postgres_cluster() as pg_url:
-        results.append(run_backend("postgresql", pg_url, args.clients, args.creates_per_client))
+        results.append(run_backend("postgresql", pg_url, *shape))
     pg = results[-1]
     out = {
         "benchmark": "api_load",
         "machine": f"{os.cpu_count()} CPUs",
         "results": results,
         "target": {"creates_per_s": 300, "create_p99_ms": 100, "backend": "postgresql"},
-        "target_met": pg["creates_per_s"] >= 300 and pg["create_p99_ms"] < 100,
+        "target_met": pg["closed_loop"]["creates_per_s"] >= 300 and pg["open_loop"]["p99_ms"] < 100,
         "integrity_ok": all(
-            r["lost"] == 0 and r["duplicated"] == 0 and not r["errors"] for r in results
+            r["lost"] == 0
+            and r["duplicated"] == 0
+            and not r["closed_loop"]["errors"]
+            and not r["open_loop"]["errors"]
+            for r in results
         ),
     }
     dest = ROOT / "bench" / "results" / "api_load.json"

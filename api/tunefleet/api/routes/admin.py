@@ -15,7 +15,7 @@ from tunefleet.platform.jobs import job_view
 from tunefleet.platform.tenants import Principal, create_key, create_tenant, forget_keys
 
 
-def require_admin(principal: PrincipalDep) -> Principal:
+async def require_admin(principal: PrincipalDep) -> Principal:
     if not principal.is_admin:
         raise Forbidden(
             f"key of tenant {principal.tenant_name!r} is not an admin key; admin routes need "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import anyio.to_thread
 from fastapi import APIRouter, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
@@ -71,7 +72,8 @@ async def upload_file(
     size = await store.write_stream(key, chunks(), settings.max_upload_bytes)
     filename = file.filename or "upload.jsonl"
     try:
-        report = validate_file(store.path(key))
+        # Reading a file of up to max_upload_bytes is real work: off the event loop.
+        report = await anyio.to_thread.run_sync(validate_file, store.path(key))
         raise_for_report(report, filename)
         row = File(
             id=file_id,
@@ -94,7 +96,7 @@ async def upload_file(
 
 
 @router.get("")
-def list_files(
+async def list_files(
     session: SessionDep, principal: PrincipalDep, purpose: str | None = None
 ) -> dict[str, Any]:
     query = select(File).where(File.tenant_id == principal.tenant_id)
@@ -105,7 +107,7 @@ def list_files(
 
 
 @router.get("/{file_id}")
-def get_file(file_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+async def get_file(file_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     return file_view(_get(session, principal, file_id))
 
 
@@ -118,7 +120,7 @@ def file_content(
 
 
 @router.delete("/{file_id}")
-def delete_file(
+async def delete_file(
     file_id: str, session: SessionDep, principal: PrincipalDep, store: StoreDep
 ) -> dict[str, Any]:
     f = _get(session, principal, file_id)

@@ -29,7 +29,7 @@ def _adapter(a: Adapter, tenant_name: str) -> dict[str, Any]:
 
 
 @router.get("")
-def list_models(
+async def list_models(
     session: SessionDep, principal: PrincipalDep, registry: RegistryDep
 ) -> dict[str, Any]:
     adapters = session.scalars(
@@ -41,7 +41,7 @@ def list_models(
 
 
 @router.get("/{model:path}")
-def retrieve_model(
+async def retrieve_model(
     model: str, session: SessionDep, principal: PrincipalDep, registry: RegistryDep
 ) -> dict[str, Any]:
     if model in registry.names():

@@ -32,7 +32,10 @@ def get_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # No pool_pre_ping: it costs a round trip per checkout, on every request. Connections
+    # a server dropped are replaced after an error (SQLAlchemy invalidates them) and
+    # recycled hourly.
+    return create_engine(url, pool_size=10, max_overflow=20, pool_recycle=3600)
 
 
 @lru_cache(maxsize=8)
