@@ -1,5 +1,5 @@
 """API load: 32 concurrent clients creating and listing fine-tuning jobs against a real
-server (uvicorn, 2 workers), on SQLite and then PostgreSQL.
+server (uvicorn, --workers, default 2), on SQLite and then PostgreSQL.
 
 Two phases per backend. Closed loop: 32 clients each send their next request as soon as
 the last one answers; this gives the most creations per second the server sustains
@@ -128,7 +128,13 @@ async def offered_load(
 
 
 def run_backend(
-    kind: str, db_url: str, clients: int, per_client: int, rate: float, duration_s: float
+    kind: str,
+    db_url: str,
+    clients: int,
+    per_client: int,
+    rate: float,
+    duration_s: float,
+    workers: int,
 ) -> dict[str, Any]:
     from tinyllm import build_tiny_llama
     from tunefleet.platform.db import session_scope
@@ -153,7 +159,7 @@ def run_backend(
             "--port",
             str(port),
             "--workers",
-            "2",
+            str(workers),
             "--log-level",
             "warning",
             "--no-access-log",
@@ -234,6 +240,7 @@ def run_backend(
         expected = clients * per_client + open_loop["creates"]
         return {
             "backend": kind,
+            "api_workers": workers,
             "closed_loop": {
                 "clients": clients,
                 "creates": len(creates),
@@ -259,10 +266,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--creates-per-client", type=int, default=50)
+    parser.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
     parser.add_argument("--rate", type=float, default=300.0, help="open-loop creates/s")
     parser.add_argument("--duration", type=float, default=5.0, help="open-loop seconds")
     args = parser.parse_args()
-    shape = (args.clients, args.creates_per_client, args.rate, args.duration)
+    shape = (args.clients, args.creates_per_client, args.rate, args.duration, args.workers)
     from pg import postgres_cluster
 
     results = []

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from tunefleet.api.errors import install_error_handlers
-from tunefleet.api.routes import admin, files, inference, jobs, models
+from tunefleet.api.routes import admin, files, inference, jobs, models, plans
 from tunefleet.platform.settings import Settings, get_settings
 
 
@@ -20,7 +20,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings or get_settings()
     install_error_handlers(app)
-    for module in (files, jobs, models, inference, admin):
+    for module in (files, jobs, models, inference, plans, admin):
         app.include_router(module.router)
 
     @app.get("/healthz", tags=["ops"])

@@ -21,6 +21,7 @@ from tunefleet.platform.db.models import File, Job, JobEvent
 from tunefleet.platform.errors import InvalidRequest, NotFound, QuotaExceeded
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
+from tunefleet.platform.planner import PlanDevice, plan_for_spec
 from tunefleet.platform.spec import (
     AUTO_BATCH_SIZE,
     AUTO_LR_MULTIPLIER,
@@ -128,8 +129,10 @@ def create_job(
     registry: ModelRegistry,
     *,
     idempotency_key: str | None = None,
+    device: PlanDevice | None = None,
 ) -> Job:
-    """Validate references, build the spec and store the job in ``validating_files``."""
+    """Validate references, build the spec and store the job in ``validating_files``
+    with its memory plan for ``device``."""
     registry.require(req.model)
     options = req.tunefleet or TuneFleetOptions()
     gpus = options.resources.num_workers * options.resources.gpus_per_worker
@@ -155,6 +158,14 @@ def create_job(
         suffix=req.suffix,
         tunefleet=options,
     )
+    plan = None
+    if device is not None:
+        plan = plan_for_spec(
+            registry.config(req.model),
+            spec,
+            device_bytes=device.memory_bytes,
+            host_bytes=device.host_bytes,
+        )
     now_ns = time.time_ns()
     now = now_ns // 1_000_000_000
     job = Job(
@@ -174,6 +185,7 @@ def create_job(
         created_ns=now_ns,
         updated_at=now,
         result_files=[],
+        plan=plan,
     )
     session.add(job)
     add_event(session, job_id, f"Created fine-tuning job: {job_id}")
@@ -222,6 +234,7 @@ def job_view(job: Job) -> dict[str, Any]:
         "tunefleet": {
             **spec.tunefleet.model_dump(mode="json"),
             "file_stats": job.stats,
+            "plan": job.plan,
             "unused_request_fields": extra,
         },
     }

@@ -14,6 +14,7 @@ from tunefleet.platform.errors import InvalidRequest
 
 BUILTIN_MODEL = "SmolLM2-135M-Instruct"
 _NAMES_CACHE: dict[Path, tuple[int, list[str]]] = {}
+_CONFIG_CACHE: dict[Path, tuple[int, dict[str, Any]]] = {}
 
 
 class ModelRegistry:
@@ -45,8 +46,14 @@ class ModelRegistry:
         return self.root / name
 
     def config(self, name: str) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads((self.path(name) / "config.json").read_text())
-        return data
+        """The model's config.json, parsed once per process per file version."""
+        path = self.path(name) / "config.json"
+        stamp = path.stat().st_mtime_ns
+        cached = _CONFIG_CACHE.get(path)
+        if cached is None or cached[0] != stamp:
+            cached = (stamp, json.loads(path.read_text()))
+            _CONFIG_CACHE[path] = cached
+        return dict(cached[1])
 
     def require(self, name: str, *, param: str = "model") -> Path:
         """The folder of ``name``, or a 400 that lists what is available."""

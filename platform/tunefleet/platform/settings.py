@@ -57,6 +57,12 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(
         default=512 * 1024 * 1024, description="Largest accepted file upload, in bytes."
     )
+    device_memory_gb: float = Field(
+        default=80, description="Accelerator memory per worker the planner plans for (GiB)."
+    )
+    host_memory_gb: float = Field(
+        default=256, description="Host memory per worker available to CPU offload (GiB)."
+    )
     controller_interval_s: float = Field(
         default=0.5, description="Seconds between two passes of the controller loop."
     )

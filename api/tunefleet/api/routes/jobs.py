@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header, Query, Request
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, StoreDep
+from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep, StoreDep
 from tunefleet.platform.db import Checkpoint, Job
 from tunefleet.platform.errors import NotFound, TuneFleetError
 from tunefleet.platform.jobs import (
@@ -19,6 +19,7 @@ from tunefleet.platform.jobs import (
     job_view,
     list_events,
 )
+from tunefleet.platform.planner import PlanDevice
 from tunefleet.platform.status import JobStatus, transition
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
@@ -34,6 +35,7 @@ async def create(
     session: SessionDep,
     principal: PrincipalDep,
     registry: RegistryDep,
+    settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header()] = None,
 ) -> dict[str, Any]:
     def existing() -> Job | None:
@@ -48,7 +50,10 @@ async def create(
     # Insert first, look up on conflict: a first attempt (the common case) costs no extra
     # query, and the unique index settles concurrent retries.
     try:
-        job = create_job(session, principal, body, registry, idempotency_key=idempotency_key)
+        device = PlanDevice.from_gb(settings.device_memory_gb, settings.host_memory_gb)
+        job = create_job(
+            session, principal, body, registry, idempotency_key=idempotency_key, device=device
+        )
         session.commit()
     except (IntegrityError, TuneFleetError):
         # A retry with the same Idempotency-Key answers with the job the first attempt

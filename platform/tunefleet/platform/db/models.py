@@ -86,6 +86,7 @@ class Job(Base):
     estimated_finish: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     result_files: Mapped[list[Any]] = mapped_column(JSON, default=list)
     stats: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     ray_submission_id: Mapped[str | None] = mapped_column(String(128), nullable=True)

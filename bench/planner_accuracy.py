@@ -1,0 +1,176 @@
+"""Planner accuracy: predicted vs measured memory of one real training step, per method.
+
+Each case runs in a fresh subprocess (`measure` below): it builds a random Llama as the
+training loop does, wraps it for the method (peft LoRA, or all parameters for full
+fine-tuning), takes one AdamW step on a batch of random tokens, and measures
+- *states*: bytes of parameters, gradients and optimizer-state tensors, counted exactly;
+- *peak*: the process's peak resident memory during the step (Linux VmHWM, reset just
+  before the step) minus its resident memory before the model was built, with glibc told
+  to mmap every large block so freed tensors leave the resident set at once.
+The planner's prediction for the same case comes from `tunefleet.platform.planner`.
+
+    .venv/bin/python bench/planner_accuracy.py        # writes bench/results/planner_accuracy.json
+On a GPU (not this machine) the same cases would compare against
+torch.cuda.max_memory_allocated; that run is still to be written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A Llama large enough that tensors dwarf allocator and library noise on the CPU.
+SHAPE = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1376,
+         "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
+         "tie_word_embeddings": False}  # fmt: skip
+
+CASES: list[dict[str, Any]] = [
+    {"method": "lora", "targets": ["q_proj", "v_proj"], "batch": 4, "seq": 256, "ckpt": False},
+    {"method": "lora", "targets": ["all-linear"], "batch": 4, "seq": 256, "ckpt": False},
+    {"method": "lora", "targets": ["all-linear"], "batch": 4, "seq": 256, "ckpt": True},
+    {"method": "full", "targets": [], "batch": 4, "seq": 256, "ckpt": False},
+    {"method": "full", "targets": [], "batch": 2, "seq": 256, "ckpt": False},
+]
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measure(case: dict[str, Any]) -> dict[str, Any]:
+    """Run in a fresh process (see ``run_case``): one real step, measured."""
+    import gc
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = _rss_kib("VmRSS")
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation="sdpa"))
+    if case["method"] == "lora":
+        targets = "all-linear" if case["targets"] == ["all-linear"] else case["targets"]
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
+            ),
+        )
+    if case["ckpt"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if case["method"] != "full":
+            model.enable_input_require_grads()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, foreach=True)  # as the loop
+    ids = torch.randint(0, SHAPE["vocab_size"], (case["batch"], case["seq"]))
+    # warm-up step: lazily created optimizer states and library buffers exist afterwards
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark
+    model(input_ids=ids, labels=ids).loss.backward()
+    peak = _rss_kib("VmHWM")
+    optimizer.step()
+    peak = max(peak, _rss_kib("VmHWM"))
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    g_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    o_bytes = sum(
+        t.numel() * t.element_size()
+        for st in optimizer.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    )
+    trainable = sum(p.numel() for p in params)
+    total = sum(p.numel() for p in model.parameters())
+    return {
+        "states_bytes": n_bytes + g_bytes + o_bytes,
+        "peak_bytes": (peak - base) * 1024,
+        "trainable": trainable,
+        "total": total,
+    }
+
+
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2"}
+    out = subprocess.run(
+        [sys.executable, __file__, "--measure", json.dumps(case)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def predict(case: dict[str, Any]) -> dict[str, Any]:
+    from tunefleet.platform.planner import ModelShape, PlanInput, parameter_counts, plan_memory
+
+    shape = ModelShape.from_config(SHAPE)
+    inp = PlanInput(
+        method=case["method"],
+        lora_r=8,
+        lora_targets=tuple(case["targets"]),
+        precision="fp32",
+        per_device_batch=case["batch"],
+        seq_len=case["seq"],
+        gradient_checkpointing=case["ckpt"],
+    )
+    plan = plan_memory(shape, inp)
+    trainable, total = parameter_counts(shape, inp)
+    return {
+        "states_bytes": plan.states,
+        "peak_bytes": plan.total,
+        "trainable": trainable,
+        "total": total,
+    }
+
+
+def compare(case: dict[str, Any]) -> dict[str, Any]:
+    measured, predicted = run_case(case), predict(case)
+    return {
+        "case": case,
+        "measured": measured,
+        "predicted": predicted,
+        "states_error": predicted["states_bytes"] / measured["states_bytes"] - 1,
+        "peak_error": predicted["peak_bytes"] / measured["peak_bytes"] - 1,
+    }
+
+
+def main() -> None:
+    rows = [compare(c) for c in CASES]
+    out = {
+        "benchmark": "planner_accuracy",
+        "device": "cpu",
+        "shape": SHAPE,
+        "rows": rows,
+        "max_abs_states_error": max(abs(r["states_error"]) for r in rows),
+        "max_abs_peak_error": max(abs(r["peak_error"]) for r in rows),
+        "targets": {"states": 0.05, "peak": 0.25},
+    }
+    dest = ROOT / "bench" / "results" / "planner_accuracy.json"
+    dest.write_text(json.dumps(out, indent=2) + "\n")
+    for r in rows:
+        c = r["case"]
+        print(
+            f"{c['method']:5} {','.join(c['targets']) or '-':14} b={c['batch']} s={c['seq']} "
+            f"ckpt={c['ckpt']!s:5}  states {r['states_error']:+.1%}  peak {r['peak_error']:+.1%}"
+            f"  (measured peak {r['measured']['peak_bytes'] / 2**20:.0f} MiB)"
+        )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--measure":
+        print(json.dumps(measure(json.loads(sys.argv[2]))))
+    else:
+        main()

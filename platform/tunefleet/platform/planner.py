@@ -1,0 +1,412 @@
+"""The memory planner: how many bytes a fine-tune needs per device, before a GPU is spent.
+
+The arithmetic of the seeds (shared/seeds): weights, gradients and optimizer states per
+parameter by precision and method; what ZeRO stage 1/2/3 (FSDP) divides by the number of
+workers; what CPU offload moves off the device; activations per decoder layer with and
+without gradient checkpointing; the logits. Then the seeds' tuning path: fits -> DDP; fits
+with checkpointing -> DDP + checkpointing; else FSDP ZeRO-3; else + CPU offload; else say
+what would be needed.
+
+Model shapes come from a Hugging Face config (Llama family: Llama, SmolLM2, Mistral, Qwen2
+without biases). No torch here: parameter counts are exact arithmetic over the shapes.
+
+Glossary: *trainable* parameters get gradients and optimizer states; *frozen* ones only
+weights. *Mixed precision* (bf16/fp16) keeps working weights and gradients in 16 bits and
+an fp32 master copy plus two fp32 moments in the optimizer: 2 + 2 + 4 + 4 + 4 = 16 bytes
+per trained parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from tunefleet.platform.spec import JobSpec
+
+GiB = 1024**3
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Strategy = Literal["ddp", "zero1", "zero2", "zero3", "zero3_offload"]
+Method = Literal["full", "lora", "qlora"]
+Optimizer = Literal["adamw", "adamw_8bit"]
+
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NF4_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax constant per 64 weights
+DQ_BLOCK = 256  # double quantization: absmaxes in 8 bits, one fp32 constant per 256 of them
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-family decoder that memory depends on."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each linear module of one decoder layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }  # fmt: skip
+
+    @property
+    def layer_linear_params(self) -> int:
+        return sum(a * b for a, b in self.linear_shapes().values())
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def head_params(self) -> int:
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def norm_params(self) -> int:
+        return (2 * self.num_layers + 1) * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        return (
+            self.num_layers * self.layer_linear_params
+            + self.embedding_params
+            + self.head_params
+            + self.norm_params
+        )
+
+
+def resolve_targets(targets: list[str]) -> list[str]:
+    """peft's target names to module names; ``all-linear`` is every projection (not the
+    output head, as peft does for causal LMs)."""
+    if targets == ["all-linear"]:
+        return list(LINEAR_MODULES)
+    unknown = [t for t in targets if t not in LINEAR_MODULES]
+    if unknown:
+        raise ValueError(
+            f"target_modules {unknown} are not linear modules of a Llama-family layer; "
+            f"use some of {', '.join(LINEAR_MODULES)} or ['all-linear']"
+        )
+    return targets
+
+
+def lora_params(shape: ModelShape, r: int, targets: list[str]) -> int:
+    """Parameters LoRA adds: r * (in + out) per targeted module per layer."""
+    shapes = shape.linear_shapes()
+    per_layer = sum(r * (shapes[t][0] + shapes[t][1]) for t in resolve_targets(targets))
+    return shape.num_layers * per_layer
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """What memory depends on; built from a job spec by ``plan_input_from_spec``."""
+
+    method: Method = "lora"
+    lora_r: int = 8
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    precision: Precision = "bf16"
+    optimizer: Optimizer = "adamw"
+    gradient_checkpointing: bool = False
+    strategy: Strategy = "ddp"
+    num_workers: int = 1
+    per_device_batch: int = 1
+    seq_len: int = 512
+    double_quant: bool = True
+
+
+@dataclass
+class Breakdown:
+    """Bytes per device, by what holds them."""
+
+    weights: float = 0
+    gradients: float = 0
+    optimizer: float = 0
+    activations: float = 0
+    logits: float = 0
+    cpu_offloaded: float = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def states(self) -> float:
+        """Weights + gradients + optimizer states: what does not scale with the batch."""
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.states + self.activations + self.logits
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "notes"}
+        return {**out, "states": self.states, "total": self.total, "notes": self.notes}
+
+
+def _bytes(precision: Precision) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def parameter_counts(shape: ModelShape, inp: PlanInput) -> tuple[int, int]:
+    """(trainable, total) as peft counts them: LoRA adds its parameters to the total."""
+    if inp.method == "full":
+        return shape.total_params, shape.total_params
+    added = lora_params(shape, inp.lora_r, list(inp.lora_targets))
+    return added, shape.total_params + added
+
+
+def activation_bytes_per_layer(shape: ModelShape, inp: PlanInput) -> float:
+    """Tensors one decoder layer saves for backward, per token, in the compute precision.
+
+    With SDPA (memory-efficient attention) no s x s score matrix is kept. What a Llama
+    layer saves: the two RMSNorm inputs and outputs (4h), q, k, v after RoPE
+    (h + 2 kv), the attention output (h) and its log-sum-exp, the MLP's gate and up
+    projections, SiLU(gate) and their product (4i). LoRA adds its low-rank
+    intermediates (r per targeted module) and, with dropout, a copy of each input.
+    """
+    h, i = shape.hidden_size, shape.intermediate_size
+    kv = shape.num_kv_heads * shape.head_dim
+    elems = 4 * h + (h + 2 * kv) + h + 4 * i + shape.num_heads
+    if inp.method != "full":
+        elems += inp.lora_r * len(resolve_targets(list(inp.lora_targets)))
+    return elems * _bytes(inp.precision)
+
+
+def plan_memory(shape: ModelShape, inp: PlanInput) -> Breakdown:
+    """Per-device bytes for ``inp`` on a model of ``shape``."""
+    b = Breakdown()
+    n = max(1, inp.num_workers)
+    wbytes = _bytes(inp.precision)
+    mixed = inp.precision != "fp32"
+    trainable, _ = parameter_counts(shape, inp)
+
+    # Weights: frozen base (maybe 4-bit) plus trainable parameters.
+    if inp.method == "full":
+        b.weights = shape.total_params * wbytes
+    elif inp.method == "lora":
+        b.weights = shape.total_params * wbytes + trainable * wbytes
+    else:  # qlora: decoder linears in NF4 with their constants; the rest in 16 bits
+        quantized = shape.num_layers * shape.layer_linear_params
+        per_param = 0.5 + (
+            (1 / NF4_BLOCK + 4 / (NF4_BLOCK * DQ_BLOCK)) if inp.double_quant else 4 / NF4_BLOCK
+        )
+        b.weights = quantized * per_param + (shape.total_params - quantized) * 2
+        b.weights += trainable * wbytes
+        b.notes.append(
+            f"NF4 base: {per_param:.4f} bytes per quantized weight "
+            f"({'with' if inp.double_quant else 'without'} double quantization)"
+        )
+
+    # Gradients and optimizer states exist for trainable parameters only.
+    b.gradients = trainable * wbytes
+    moments = 2 * (1 if inp.optimizer == "adamw_8bit" else 4)
+    master = 4 if mixed else 0
+    b.optimizer = trainable * (moments + master)
+
+    # ZeRO / FSDP: shard what the stage shards; offload moves optimizer and weights out.
+    if inp.strategy in ("zero1", "zero2", "zero3", "zero3_offload"):
+        b.optimizer /= n
+    if inp.strategy in ("zero2", "zero3", "zero3_offload"):
+        b.gradients /= n
+    if inp.strategy in ("zero3", "zero3_offload"):
+        b.weights /= n
+    if inp.strategy == "zero3_offload":
+        b.cpu_offloaded = b.optimizer + b.weights + b.gradients
+        b.optimizer = 0
+        # one decoder layer's weights and gradients are on the device at a time
+        b.weights = shape.layer_linear_params * wbytes
+        b.gradients = shape.layer_linear_params * wbytes if inp.method == "full" else 0
+        b.notes.append(
+            "CPU offload: sharded weights, gradients and optimizer states live in host memory"
+        )
+
+    # Activations: every layer keeps its saved tensors, or only its input when
+    # checkpointed (plus one layer recomputed during backward).
+    tokens = inp.per_device_batch * inp.seq_len
+    per_layer = activation_bytes_per_layer(shape, inp) * tokens
+    layer_input = shape.hidden_size * wbytes * tokens
+    if inp.gradient_checkpointing:
+        b.activations = shape.num_layers * layer_input + per_layer
+    else:
+        b.activations = shape.num_layers * per_layer + layer_input
+    # Logits in the compute dtype, their fp32 copy for the loss, and its gradient.
+    b.logits = tokens * shape.vocab_size * (wbytes + 4 + 4)
+    return b
+
+
+@dataclass
+class Advice:
+    strategy: Strategy
+    gradient_checkpointing: bool
+    fits: bool
+    per_device_batch: int
+    gradient_accumulation_steps: int
+    breakdown: Breakdown
+    reasons: list[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "fits": self.fits,
+            "per_device_batch": self.per_device_batch,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "breakdown": self.breakdown.as_dict(),
+            "reasons": self.reasons,
+        }
+
+
+def _fmt(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB"
+
+
+def advise(
+    shape: ModelShape,
+    inp: PlanInput,
+    device_bytes: float,
+    *,
+    global_batch: int,
+    host_bytes: float = 256 * GiB,
+    headroom: float = 0.9,
+) -> Advice:
+    """Walk the seeds' chart for a device of ``device_bytes`` (using ``headroom`` of it
+    for the plan, the rest for allocator fragmentation and communication buffers); CPU
+    offload must also fit in ``host_bytes`` of host memory per worker."""
+    budget = device_bytes * headroom
+    reasons = [f"budget {_fmt(budget)} of {_fmt(device_bytes)} per device"]
+    path: list[tuple[Strategy, bool]] = [
+        ("ddp", False), ("ddp", True), ("zero3", True), ("zero3_offload", True),
+    ]  # fmt: skip
+    for strategy, ckpt in path:
+        if strategy == "zero3" and inp.num_workers == 1:
+            continue  # shards nothing on one worker
+        trial = PlanInput(
+            **{
+                **asdict(inp),
+                "strategy": strategy,
+                "gradient_checkpointing": ckpt,
+                "per_device_batch": 1,
+            }
+        )
+        one = plan_memory(shape, trial)
+        label = strategy + (" + gradient checkpointing" if ckpt else "")
+        if one.total > budget:
+            reasons.append(f"{label}: {_fmt(one.total)} at batch 1 does not fit")
+            continue
+        if one.cpu_offloaded > host_bytes * headroom:
+            reasons.append(
+                f"{label}: fits the device but offloads {_fmt(one.cpu_offloaded)} to host "
+                f"memory, more than {_fmt(host_bytes * headroom)} available"
+            )
+            continue
+        # Largest per-device batch that fits: states are fixed, the rest grows linearly.
+        per_sample = one.activations + one.logits
+        batch = max(1, int((budget - one.states) // per_sample)) if per_sample else global_batch
+        batch = min(batch, max(1, math.ceil(global_batch / trial.num_workers)))
+        accum = max(1, math.ceil(global_batch / (batch * trial.num_workers)))
+        final = plan_memory(shape, PlanInput(**{**asdict(trial), "per_device_batch": batch}))
+        reasons.append(
+            f"{label}: {_fmt(final.total)} at per-device batch {batch} fits; "
+            f"{accum} accumulation step(s) reach the global batch {global_batch}"
+        )
+        return Advice(strategy, ckpt, True, batch, accum, final, reasons)
+    # Nothing fits: say what would.
+    base = {**asdict(inp), "gradient_checkpointing": True, "per_device_batch": 1}
+    floor = plan_memory(shape, PlanInput(**{**base, "strategy": "zero3_offload"}))
+    whole = plan_memory(shape, PlanInput(**{**base, "strategy": "zero3", "num_workers": 1}))
+    need_workers = math.ceil(whole.states / max(budget - floor.activations - floor.logits, 1))
+    reasons.append(
+        f"nothing fits: weights, gradients and optimizer states take {_fmt(whole.states)} in "
+        f"all; with CPU offload a device needs {_fmt(floor.total)} plus "
+        f"{_fmt(floor.cpu_offloaded)} of host memory, at batch 1"
+    )
+    suggestions = [
+        f"host memory of at least {_fmt(floor.cpu_offloaded / headroom)} for CPU offload"
+    ]
+    if inp.method == "full":
+        suggestions.append("LoRA or QLoRA instead of full fine-tuning")
+    elif inp.method == "lora":
+        suggestions.append("QLoRA (a 4-bit base)")
+    suggestions.append(f"ZeRO-3 over at least {need_workers} such devices")
+    suggestions.append(f"a shorter max_seq_len than {inp.seq_len}")
+    reasons.append("would fit with: " + "; or ".join(suggestions))
+    return Advice("zero3_offload", True, False, 1, global_batch, floor, reasons)
+
+
+@dataclass(frozen=True)
+class PlanDevice:
+    """The hardware a plan is for: accelerator and host memory per worker."""
+
+    memory_bytes: float
+    host_bytes: float
+
+    @classmethod
+    def from_gb(cls, memory_gb: float, host_memory_gb: float) -> PlanDevice:
+        return cls(memory_gb * GiB, host_memory_gb * GiB)
+
+
+def plan_input_from_spec(spec: JobSpec) -> PlanInput:
+    """What the training loop will really run for ``spec``: today LoRA in fp32 with DDP
+    across workers, the global batch split evenly, examples up to max_seq_len long."""
+    opts = spec.tunefleet
+    workers = opts.resources.num_workers
+    return PlanInput(
+        method="lora",
+        lora_r=opts.lora.r,
+        lora_targets=tuple(opts.lora.target_modules),
+        precision="fp32",
+        strategy="ddp",
+        num_workers=workers,
+        per_device_batch=max(1, spec.hyperparameters.batch_size // workers),
+        seq_len=opts.max_seq_len,
+    )
+
+
+def plan_for_spec(
+    config: dict[str, Any], spec: JobSpec, *, device_bytes: float, host_bytes: float
+) -> dict[str, Any]:
+    """The plan stored on a job and returned by POST /v1/plans: the breakdown of what
+    the spec runs, and the chart's advice for the device."""
+    shape = ModelShape.from_config(config)
+    inp = plan_input_from_spec(spec)
+    trainable, total = parameter_counts(shape, inp)
+    advice = advise(
+        shape,
+        inp,
+        device_bytes,
+        global_batch=spec.hyperparameters.batch_size,
+        host_bytes=host_bytes,
+    )
+    return {
+        "object": "fine_tuning.plan",
+        "model": spec.model,
+        "parameters": {
+            "trainable": trainable,
+            "total": total,
+            "trainable_percent": round(100 * trainable / total, 4),
+        },
+        "input": asdict(inp),
+        "breakdown": plan_memory(shape, inp).as_dict(),
+        "device": {"memory_bytes": device_bytes, "host_memory_bytes": host_bytes},
+        "advice": advice.as_dict(),
+    }

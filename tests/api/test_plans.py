@@ -1,0 +1,76 @@
+"""POST /v1/plans and the plan stored on a job; counts agree with peft's own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import TINY
+
+
+def H(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["all-linear"]])
+def test_plan_counts_agree_with_peft(
+    app_client: TestClient, key_a: str, tiny_registry: Path, targets: list[str]
+) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    body = {
+        "model": TINY,
+        "training_file": "file-unused",
+        "tunefleet": {"lora": {"r": 4, "target_modules": targets}},
+    }
+    plan = app_client.post("/v1/plans", headers=H(key_a), json=body).json()
+    model = AutoModelForCausalLM.from_pretrained(tiny_registry / TINY)
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            target_modules=targets[0] if targets == ["all-linear"] else targets,
+            task_type="CAUSAL_LM",
+        ),
+    )
+    trainable, total = peft_model.get_nb_trainable_parameters()
+    assert (plan["parameters"]["trainable"], plan["parameters"]["total"]) == (trainable, total)
+    assert plan["object"] == "fine_tuning.plan" and plan["advice"]["fits"]
+    assert plan["breakdown"]["total"] > plan["breakdown"]["states"] > 0
+
+
+def test_plan_errors_and_the_plan_stored_on_a_job(app_client: TestClient, key_a: str) -> None:
+    bad = app_client.post(
+        "/v1/plans", headers=H(key_a), json={"model": "nope", "training_file": "f"}
+    )
+    assert bad.status_code == 400 and TINY in bad.json()["error"]["message"]
+    small = app_client.post(
+        "/v1/plans",
+        headers=H(key_a),
+        json={
+            "model": TINY,
+            "training_file": "f",
+            "device_memory_gb": 0.001,
+            "host_memory_gb": 0.001,
+        },
+    ).json()
+    assert not small["advice"]["fits"]
+    assert any("would fit with" in r for r in small["advice"]["reasons"])
+
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    f = app_client.post(
+        "/v1/files",
+        headers=H(key_a),
+        data={"purpose": "fine-tune"},
+        files={"file": ("a.jsonl", json.dumps(chat).encode())},
+    ).json()
+    job = app_client.post(
+        "/v1/fine_tuning/jobs", headers=H(key_a), json={"model": TINY, "training_file": f["id"]}
+    ).json()
+    stored = job["tunefleet"]["plan"]
+    assert stored["input"]["per_device_batch"] == 4 and stored["input"]["seq_len"] == 512
+    assert stored["breakdown"]["total"] > 0

@@ -1,0 +1,147 @@
+"""The memory planner reproduces the seeds' figures and walks their tuning chart."""
+
+from __future__ import annotations
+
+import pytest
+
+from tunefleet.platform.planner import (
+    GiB,
+    ModelShape,
+    PlanInput,
+    advise,
+    lora_params,
+    parameter_counts,
+    plan_memory,
+)
+
+# Llama-2-7B's config.json (the fields memory depends on); no download needed.
+LLAMA2_7B = ModelShape.from_config({
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "tie_word_embeddings": False,
+})  # fmt: skip
+LLAMA3_70B = ModelShape.from_config({
+    "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+    "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+})  # fmt: skip
+SMOLLM2_135M = ModelShape.from_config({
+    "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "tie_word_embeddings": True,
+})  # fmt: skip
+
+
+def test_llama2_7b_parameter_count() -> None:
+    assert LLAMA2_7B.total_params == 6_738_415_616
+
+
+def test_lora_r8_on_q_and_v_matches_peft() -> None:
+    trainable, total = parameter_counts(
+        LLAMA2_7B, PlanInput(method="lora", lora_r=8, lora_targets=("q_proj", "v_proj"))
+    )
+    assert (trainable, total) == (4_194_304, 6_742_609_920)
+    assert f"{100 * trainable / total:.4f}" == "0.0622"
+
+
+def test_one_4096_square_layer_with_r8_adds_65536() -> None:
+    square = ModelShape(
+        vocab_size=1,
+        hidden_size=4096,
+        intermediate_size=4096,
+        num_layers=1,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
+    added = lora_params(square, 8, ["q_proj"])
+    assert added == 65_536
+    assert f"{100 * added / (4096 * 4096):.2f}" == "0.39"
+
+
+def test_smollm2_135m_parameter_count() -> None:
+    assert SMOLLM2_135M.total_params == 134_515_008  # what transformers reports
+
+
+def test_full_fine_tune_mixed_precision_is_16_bytes_per_parameter() -> None:
+    plan = plan_memory(LLAMA2_7B, PlanInput(method="full", precision="bf16"))
+    assert plan.states / LLAMA2_7B.total_params == 16
+    assert (plan.weights, plan.gradients, plan.optimizer) == (
+        2 * LLAMA2_7B.total_params,
+        2 * LLAMA2_7B.total_params,
+        12 * LLAMA2_7B.total_params,
+    )
+    # "7B x 16 bytes = 112 GB": 6.74e9 real parameters give 107.8 GB
+    assert abs(plan.states - 112e9) / 112e9 < 0.05
+
+
+@pytest.mark.parametrize(
+    "stage,sharded",
+    [
+        ("zero1", {"optimizer"}),
+        ("zero2", {"optimizer", "gradients"}),
+        ("zero3", {"optimizer", "gradients", "weights"}),
+    ],
+)
+def test_zero_stages_divide_what_they_shard_by_the_workers(stage: str, sharded: set[str]) -> None:
+    ddp = plan_memory(LLAMA2_7B, PlanInput(method="full", num_workers=8))
+    zero = plan_memory(LLAMA2_7B, PlanInput(method="full", num_workers=8, strategy=stage))  # type: ignore[arg-type]
+    for part in ("weights", "gradients", "optimizer"):
+        ratio = getattr(zero, part) / getattr(ddp, part)
+        assert ratio == (1 / 8 if part in sharded else 1), part
+    if stage == "zero3":
+        assert zero.states == ddp.states / 8  # 1/8 of the 112 GB on each of 8 GPUs
+
+
+def test_lora_and_qlora_shrink_the_states() -> None:
+    full = plan_memory(LLAMA2_7B, PlanInput(method="full"))
+    lora = plan_memory(LLAMA2_7B, PlanInput(method="lora", lora_r=16, lora_targets=("all-linear",)))
+    qlora = plan_memory(
+        LLAMA2_7B, PlanInput(method="qlora", lora_r=16, lora_targets=("all-linear",))
+    )
+    assert lora.states < full.states / 7
+    assert 3.5 * GiB < qlora.weights < 4.5 * GiB  # the seeds: 7B QLoRA fits a 24 GB card
+    no_dq = plan_memory(
+        LLAMA2_7B,
+        PlanInput(method="qlora", lora_r=16, lora_targets=("all-linear",), double_quant=False),
+    )
+    saved_bits = 8 * (no_dq.weights - qlora.weights) / (32 * LLAMA2_7B.layer_linear_params)
+    assert 0.35 < saved_bits < 0.4  # double quantization saves ~0.37 bits per parameter
+
+
+def test_gradient_checkpointing_cuts_activations() -> None:
+    args = {"method": "lora", "per_device_batch": 8, "seq_len": 2048}
+    plain = plan_memory(LLAMA2_7B, PlanInput(**args))  # type: ignore[arg-type]
+    ckpt = plan_memory(LLAMA2_7B, PlanInput(**args, gradient_checkpointing=True))  # type: ignore[arg-type]
+    assert ckpt.activations < plain.activations / 5
+    assert ckpt.states == plain.states
+
+
+def test_chart_small_model_fits_ddp_with_batch_and_accumulation() -> None:
+    advice = advise(SMOLLM2_135M, PlanInput(method="lora", seq_len=512), 24 * GiB, global_batch=64)
+    assert (advice.strategy, advice.gradient_checkpointing, advice.fits) == ("ddp", False, True)
+    assert advice.per_device_batch * advice.gradient_accumulation_steps >= 64
+    assert advice.breakdown.total <= 0.9 * 24 * GiB
+
+
+def test_chart_goes_to_checkpointing_then_zero3_then_offload() -> None:
+    on_80g = advise(LLAMA2_7B, PlanInput(method="lora", seq_len=4096), 80 * GiB, global_batch=8)
+    assert on_80g.strategy == "ddp" and on_80g.fits
+    on_24g = advise(LLAMA2_7B, PlanInput(method="lora", seq_len=4096), 24 * GiB, global_batch=8)
+    assert (on_24g.strategy, on_24g.gradient_checkpointing) == ("ddp", True)
+    full_8x80 = advise(
+        LLAMA2_7B, PlanInput(method="full", num_workers=8), 80 * GiB, global_batch=64
+    )
+    assert (full_8x80.strategy, full_8x80.fits) == ("zero3", True)
+    full_1x80 = advise(
+        LLAMA2_7B, PlanInput(method="full"), 80 * GiB, global_batch=64, host_bytes=512 * GiB
+    )
+    assert (full_1x80.strategy, full_1x80.fits) == ("zero3_offload", True)
+
+
+def test_70b_full_fine_tune_on_one_24gb_gpu_says_what_is_needed() -> None:
+    advice = advise(LLAMA3_70B, PlanInput(method="full"), 24 * GiB, global_batch=64)
+    assert not advice.fits
+    text = " ".join(advice.reasons)
+    assert "nothing fits" in text and "LoRA or QLoRA" in text
+    assert "host memory of at least" in text and "ZeRO-3 over at least" in text
