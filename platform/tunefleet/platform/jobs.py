@@ -205,9 +205,10 @@ def job_fine_tuned_name(job: Job, tenant_name: str) -> str:
 
 
 def job_view(job: Job) -> dict[str, Any]:
-    """The OpenAI ``fine_tuning.job`` object."""
-    spec = JobSpec.model_validate(job.spec)
-    hp = spec.hyperparameters.model_dump()
+    """The OpenAI ``fine_tuning.job`` object. Reads the stored spec as JSON (it was
+    validated when the job was made; this runs on every read)."""
+    spec = job.spec
+    hp = dict(spec["hyperparameters"])
     extra = {k: v for k, v in job.request.items() if k not in JobCreateRequest.model_fields}
     return {
         "id": job.id,
@@ -225,14 +226,14 @@ def job_view(job: Job) -> dict[str, Any]:
         "trained_tokens": job.trained_tokens,
         "estimated_finish": job.estimated_finish,
         "error": job.error,
-        "seed": spec.seed,
-        "suffix": spec.suffix,
+        "seed": spec["seed"],
+        "suffix": spec.get("suffix"),
         "metadata": job.metadata_ or None,
         "result_files": job.result_files,
         "integrations": job.request.get("integrations") or [],
-        "user_provided_suffix": spec.suffix,
+        "user_provided_suffix": spec.get("suffix"),
         "tunefleet": {
-            **spec.tunefleet.model_dump(mode="json"),
+            **spec["tunefleet"],
             "file_stats": job.stats,
             "plan": job.plan,
             "unused_request_fields": extra,

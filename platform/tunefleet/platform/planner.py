@@ -19,7 +19,7 @@ per trained parameter.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from tunefleet.platform.spec import JobSpec
@@ -159,8 +159,8 @@ class Breakdown:
         return self.states + self.activations + self.logits
 
     def as_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k != "notes"}
-        return {**out, "states": self.states, "total": self.total, "notes": self.notes}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "notes"}
+        return {**out, "states": self.states, "total": self.total, "notes": list(self.notes)}
 
 
 def _bytes(precision: Precision) -> int:
@@ -300,14 +300,7 @@ def advise(
     for strategy, ckpt in path:
         if strategy == "zero3" and inp.num_workers == 1:
             continue  # shards nothing on one worker
-        trial = PlanInput(
-            **{
-                **asdict(inp),
-                "strategy": strategy,
-                "gradient_checkpointing": ckpt,
-                "per_device_batch": 1,
-            }
-        )
+        trial = replace(inp, strategy=strategy, gradient_checkpointing=ckpt, per_device_batch=1)
         one = plan_memory(shape, trial)
         label = strategy + (" + gradient checkpointing" if ckpt else "")
         if one.total > budget:
@@ -324,16 +317,16 @@ def advise(
         batch = max(1, int((budget - one.states) // per_sample)) if per_sample else global_batch
         batch = min(batch, max(1, math.ceil(global_batch / trial.num_workers)))
         accum = max(1, math.ceil(global_batch / (batch * trial.num_workers)))
-        final = plan_memory(shape, PlanInput(**{**asdict(trial), "per_device_batch": batch}))
+        final = plan_memory(shape, replace(trial, per_device_batch=batch))
         reasons.append(
             f"{label}: {_fmt(final.total)} at per-device batch {batch} fits; "
             f"{accum} accumulation step(s) reach the global batch {global_batch}"
         )
         return Advice(strategy, ckpt, True, batch, accum, final, reasons)
     # Nothing fits: say what would.
-    base = {**asdict(inp), "gradient_checkpointing": True, "per_device_batch": 1}
-    floor = plan_memory(shape, PlanInput(**{**base, "strategy": "zero3_offload"}))
-    whole = plan_memory(shape, PlanInput(**{**base, "strategy": "zero3", "num_workers": 1}))
+    base = replace(inp, gradient_checkpointing=True, per_device_batch=1)
+    floor = plan_memory(shape, replace(base, strategy="zero3_offload"))
+    whole = plan_memory(shape, replace(base, strategy="zero3", num_workers=1))
     need_workers = math.ceil(whole.states / max(budget - floor.activations - floor.logits, 1))
     reasons.append(
         f"nothing fits: weights, gradients and optimizer states take {_fmt(whole.states)} in "
@@ -405,7 +398,7 @@ def plan_for_spec(
             "total": total,
             "trainable_percent": round(100 * trainable / total, 4),
         },
-        "input": asdict(inp),
+        "input": {f.name: getattr(inp, f.name) for f in fields(inp)},
         "breakdown": plan_memory(shape, inp).as_dict(),
         "device": {"memory_bytes": device_bytes, "host_memory_bytes": host_bytes},
         "advice": advice.as_dict(),
