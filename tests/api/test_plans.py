@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import TINY
+from tunefleet.platform.settings import Settings
 
 
 def H(key: str) -> dict[str, str]:
@@ -74,3 +75,67 @@ def test_plan_errors_and_the_plan_stored_on_a_job(app_client: TestClient, key_a:
     stored = job["tunefleet"]["plan"]
     assert stored["input"]["per_device_batch"] == 4 and stored["input"]["seq_len"] == 512
     assert stored["breakdown"]["total"] > 0
+
+
+def _client_with_device(settings: Settings, gib: float) -> TestClient:
+    from tunefleet.api import create_app
+
+    return TestClient(create_app(settings.model_copy(update={"device_memory_gb": gib})))
+
+
+def _upload(client: TestClient, key: str) -> str:
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    return str(
+        client.post(
+            "/v1/files",
+            headers=H(key),
+            data={"purpose": "fine-tune"},
+            files={"file": ("a.jsonl", json.dumps(chat).encode())},
+        ).json()["id"]
+    )
+
+
+def test_auto_settings_follow_the_chart(settings: Settings, key_a: str) -> None:
+    roomy = _client_with_device(settings, 80)
+    f = _upload(roomy, key_a)
+    job = roomy.post(
+        "/v1/fine_tuning/jobs", headers=H(key_a), json={"model": TINY, "training_file": f}
+    ).json()
+    assert job["tunefleet"]["gradient_checkpointing"] is False
+    assert job["tunefleet"]["micro_batch_size"] == 4  # the whole global batch at once
+
+    # ~6 MiB per worker: batch 1 fits only with gradient checkpointing; 4 accumulation steps
+    tight = _client_with_device(settings, 0.006)
+    job = tight.post(
+        "/v1/fine_tuning/jobs", headers=H(key_a), json={"model": TINY, "training_file": f}
+    ).json()
+    assert job["tunefleet"]["gradient_checkpointing"] is True
+    assert job["tunefleet"]["micro_batch_size"] == 1
+    advice = job["tunefleet"]["plan"]["advice"]
+    assert advice["gradient_accumulation_steps"] == 4 and advice["fits"]
+    # an explicit choice is kept
+    job = tight.post(
+        "/v1/fine_tuning/jobs",
+        headers=H(key_a),
+        json={
+            "model": TINY,
+            "training_file": f,
+            "tunefleet": {"gradient_checkpointing": False, "micro_batch_size": 2},
+        },
+    ).json()
+    assert job["tunefleet"]["gradient_checkpointing"] is False
+    assert job["tunefleet"]["micro_batch_size"] == 2
+
+
+def test_a_job_that_cannot_fit_is_refused_with_what_would_be_needed(
+    settings: Settings, key_a: str
+) -> None:
+    client = _client_with_device(settings, 0.0001)
+    f = _upload(client, key_a)
+    resp = client.post(
+        "/v1/fine_tuning/jobs", headers=H(key_a), json={"model": TINY, "training_file": f}
+    )
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["code"] == "does_not_fit" and "would fit with" in err["message"]
+    assert client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"] == []

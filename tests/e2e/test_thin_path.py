@@ -132,6 +132,9 @@ def test_upload_train_serve(stack: dict[str, Any]) -> None:
             "tunefleet": {
                 "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["all-linear"]},
                 "checkpoint_every_steps": 5,
+                # 2 micro-batches of 2 per step, recomputing activations in backward
+                "micro_batch_size": 2,
+                "gradient_checkpointing": True,
             },
         },
     ).json()
@@ -154,6 +157,10 @@ def test_upload_train_serve(stack: dict[str, Any]) -> None:
     assert messages[0].startswith("Created fine-tuning job")
     assert any(m.startswith("Validated training file") for m in messages)
     assert any(m.startswith("Dispatched as Ray job") for m in messages)
+    assert any(
+        "(2 examples x 2 micro-batch(es) per worker per step, gradient checkpointing)" in m
+        for m in messages
+    )
     assert messages[-1].startswith("The job has successfully completed")
     metrics = [e["data"] for e in reversed(events) if e["type"] == "metrics"]
     assert [m["step"] for m in metrics] == list(range(1, 21))

@@ -21,7 +21,7 @@ from tunefleet.platform.db.models import File, Job, JobEvent
 from tunefleet.platform.errors import InvalidRequest, NotFound, QuotaExceeded
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
-from tunefleet.platform.planner import PlanDevice, plan_for_spec
+from tunefleet.platform.planner import PlanDevice, resolve_spec
 from tunefleet.platform.spec import (
     AUTO_BATCH_SIZE,
     AUTO_LR_MULTIPLIER,
@@ -165,7 +165,7 @@ def create_job(
     )
     plan = None
     if device is not None:
-        plan = plan_for_spec(
+        spec, plan = resolve_spec(
             registry.config(req.model),
             spec,
             device_bytes=device.memory_bytes,

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+from tunefleet.platform.errors import InvalidRequest
 from tunefleet.platform.spec import JobSpec
 
 GiB = 1024**3
@@ -277,7 +278,9 @@ class Advice:
 
 
 def _fmt(nbytes: float) -> str:
-    return f"{nbytes / GiB:.2f} GiB"
+    if nbytes >= GiB:
+        return f"{nbytes / GiB:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def advise(
@@ -360,18 +363,67 @@ class PlanDevice:
 
 def plan_input_from_spec(spec: JobSpec) -> PlanInput:
     """What the training loop will really run for ``spec``: today LoRA in fp32 with DDP
-    across workers, the global batch split evenly, examples up to max_seq_len long."""
+    across workers, examples up to max_seq_len long, the micro-batch the spec sets (or the
+    global batch split evenly)."""
     opts = spec.tunefleet
     workers = opts.resources.num_workers
+    micro = opts.micro_batch_size or max(1, math.ceil(spec.hyperparameters.batch_size / workers))
     return PlanInput(
         method="lora",
         lora_r=opts.lora.r,
         lora_targets=tuple(opts.lora.target_modules),
         precision="fp32",
         strategy="ddp",
+        gradient_checkpointing=opts.gradient_checkpointing is True,
         num_workers=workers,
-        per_device_batch=max(1, spec.hyperparameters.batch_size // workers),
+        per_device_batch=micro,
         seq_len=opts.max_seq_len,
+    )
+
+
+# What the training loop runs today; the planner may advise more (issue: FSDP).
+SUPPORTED_STRATEGIES = ("ddp",)
+
+
+def resolve_spec(
+    config: dict[str, Any], spec: JobSpec, *, device_bytes: float, host_bytes: float
+) -> tuple[JobSpec, dict[str, Any]]:
+    """Settle the spec's ``auto`` memory settings with the planner (the seeds' chart) and
+    return the concrete spec with its plan. Raises ``InvalidRequest`` naming what would be
+    needed when the job cannot fit the device, or needs a strategy the loop lacks."""
+    opts = spec.tunefleet
+    advice = advise(
+        ModelShape.from_config(config), plan_input_from_spec(spec), device_bytes,
+        global_batch=spec.hyperparameters.batch_size, host_bytes=host_bytes,
+    )  # fmt: skip
+    if not advice.fits or advice.strategy not in SUPPORTED_STRATEGIES:
+        why = "does not fit" if not advice.fits else f"needs {advice.strategy}"
+        raise InvalidRequest(
+            f"job {why} on workers with {_fmt(device_bytes)} each: "
+            + "; ".join(advice.reasons[1:])
+            + (
+                f"; this training loop runs {', '.join(SUPPORTED_STRATEGIES)} only"
+                if advice.fits
+                else ""
+            ),
+            param="tunefleet",
+            code="does_not_fit",
+        )
+    ckpt = (
+        advice.gradient_checkpointing
+        if opts.gradient_checkpointing == "auto"
+        else (opts.gradient_checkpointing)
+    )
+    micro = opts.micro_batch_size or advice.per_device_batch
+    resolved = spec.model_copy(
+        update={
+            "tunefleet": opts.model_copy(
+                update={"gradient_checkpointing": ckpt, "micro_batch_size": micro}
+            )
+        }
+    )
+    return resolved, plan_for_spec(
+        config, resolved, device_bytes=device_bytes, host_bytes=host_bytes
     )
 
 

@@ -8,6 +8,7 @@ writes to the database and reports checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 import time
@@ -32,6 +33,10 @@ from tunefleet.workers.train.data import collate, epoch_order, load_dataset
 def build_model(spec: JobSpec, model_path: str) -> Any:
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if spec.tunefleet.gradient_checkpointing is True:
+        # Non-reentrant checkpointing needs no input that requires grad, so it works with
+        # frozen embeddings under LoRA.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = spec.tunefleet.lora
     targets: list[str] | str = (
         "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
@@ -69,8 +74,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if not data.examples:
         raise ValueError("the training file has no example with tokens to learn from")
     hp = spec.hyperparameters
-    per_device = max(1, hp.batch_size // world)
-    steps_per_epoch = max(1, math.ceil(len(data.examples) / (per_device * world)))
+    # One optimizer step = `accum` micro-batches of `micro` examples on each of `world`
+    # workers: the global batch_size, up to rounding.
+    micro = spec.tunefleet.micro_batch_size or max(1, math.ceil(hp.batch_size / world))
+    accum = max(1, math.ceil(hp.batch_size / (micro * world)))
+    per_step = micro * accum
+    steps_per_epoch = max(1, math.ceil(len(data.examples) / (per_step * world)))
     total_steps = steps_per_epoch * hp.n_epochs
     if spec.tunefleet.max_steps is not None:
         total_steps = min(total_steps, spec.tunefleet.max_steps)
@@ -98,8 +107,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             record_message(
                 s,
                 spec.job_id,
-                f"Training {total_steps} steps on {world} worker(s): {len(data.examples)} "
-                f"examples, {data.truncated} truncated to {spec.tunefleet.max_seq_len} tokens; "
+                f"Training {total_steps} steps on {world} worker(s) ({micro} examples x "
+                f"{accum} micro-batch(es) per worker per step"
+                f"{', gradient checkpointing' if spec.tunefleet.gradient_checkpointing else ''}"
+                f"): {len(data.examples)} examples, {data.truncated} truncated to "
+                f"{spec.tunefleet.max_seq_len} tokens; "
                 f"{trainable:,} trainable of {total:,} parameters{resumed}",
             )
 
@@ -165,19 +177,28 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         for local_step in range(step % steps_per_epoch, steps_per_epoch):
             if step >= total_steps:
                 break
-            picks = [mine[(local_step * per_device + j) % len(mine)] for j in range(per_device)]
-            batch = collate([data.examples[i] for i in picks], pad_id)
-            out = model(**batch)
-            out.loss.backward()
+            picks = [mine[(local_step * per_step + j) % len(mine)] for j in range(per_step)]
+            step_loss, local_tokens = 0.0, 0
+            for a in range(accum):
+                batch = collate(
+                    [data.examples[i] for i in picks[a * micro : (a + 1) * micro]], pad_id
+                )
+                # DDP all-reduces gradients on the last micro-batch only.
+                sync = a == accum - 1 or not hasattr(model, "no_sync")
+                with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]
+                    out = model(**batch)
+                    (out.loss / accum).backward()
+                step_loss += float(out.loss.detach()) / accum
+                local_tokens += int(batch["attention_mask"].sum())
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            tokens = global_tokens(int(batch["attention_mask"].sum()))
+            tokens = global_tokens(local_tokens)
             trained_tokens += tokens
             window_tokens += tokens
-            last_loss = float(out.loss.detach())
+            last_loss = step_loss
             if is_chief:
                 now = time.perf_counter()
                 rate = (step - start_step) / (now - started)
