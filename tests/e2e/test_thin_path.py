@@ -96,11 +96,12 @@ def stack(
         log.close()
 
 
-def test_upload_train_serve(stack: dict[str, Any]) -> None:
+def _client_with_file(stack: dict[str, Any], tenant: str) -> tuple[httpx.Client, str]:
+    """A client of ``tenant`` and the id of its upload of the colors dataset."""
     client = httpx.Client(
         base_url=stack["url"],
         timeout=300,
-        headers={"Authorization": f"Bearer {stack['keys']['acme']}"},
+        headers={"Authorization": f"Bearer {stack['keys'][tenant]}"},
     )
     rows = [
         {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ANSWER}]}
@@ -112,11 +113,16 @@ def test_upload_train_serve(stack: dict[str, Any]) -> None:
         data={"purpose": "fine-tune"},
         files={"file": ("t.jsonl", body, "application/jsonl")},
     ).json()
+    return client, str(f["id"])
+
+
+def test_upload_train_serve(stack: dict[str, Any]) -> None:
+    client, file_id = _client_with_file(stack, "acme")
     job = client.post(
         "/v1/fine_tuning/jobs",
         json={
             "model": TINY,
-            "training_file": f["id"],
+            "training_file": file_id,
             "suffix": "colors",
             "seed": 1,
             "method": {
@@ -228,24 +234,10 @@ def _steps(events: list[dict[str, Any]]) -> list[int]:
 def test_pause_resume_continues_from_the_checkpoint_and_cancel_stops(
     stack: dict[str, Any],
 ) -> None:
-    client = httpx.Client(
-        base_url=stack["url"],
-        timeout=60,
-        headers={"Authorization": f"Bearer {stack['keys']['globex']}"},
-    )
-    rows = [
-        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ANSWER}]}
-        for q in QUESTIONS
-    ]
-    body = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    f = client.post(
-        "/v1/files",
-        data={"purpose": "fine-tune"},
-        files={"file": ("t.jsonl", body, "application/jsonl")},
-    ).json()
+    client, file_id = _client_with_file(stack, "globex")
     spec = {
         "model": TINY,
-        "training_file": f["id"],
+        "training_file": file_id,
         "seed": 3,
         "method": {
             "type": "supervised",
