@@ -10,8 +10,10 @@ submission id is deterministic, so a crash in between is repaired on the next pa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from sqlalchemy import func, select
@@ -19,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from tunefleet.platform.artifacts import ArtifactStore
 from tunefleet.platform.db import Adapter, Job, JobEvent, Tenant, now_s, session_scope
+from tunefleet.platform.errors import Conflict
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.settings import Settings
@@ -35,6 +38,18 @@ from tunefleet.workers.backend import (
 
 log = logging.getLogger(__name__)
 S = JobStatus
+
+
+@contextlib.contextmanager
+def moved_on(job_id: str) -> Iterator[None]:
+    """Skip a job that someone else moved first (a cancel or pause racing this pass):
+    the compare-and-set lost, nothing was written, the next pass sees the new state."""
+    try:
+        yield
+    except Conflict as exc:
+        log.info("job %s moved on: %s", job_id, exc.message)
+
+
 # A paused run checkpoints and exits at its next step; past this it is stopped outright.
 PAUSE_GRACE_S = 120
 
@@ -91,7 +106,7 @@ class Controller:
                         "with weight 1, completions or text)"
                     )
             except Exception as exc:  # any unreadable file fails this job, not the loop
-                with session_scope(self.db_url) as s:
+                with moved_on(job.id), session_scope(self.db_url) as s:
                     transition(
                         s,
                         job.id,
@@ -107,7 +122,7 @@ class Controller:
                     )
                 continue
             train = stats["training_file"]
-            with session_scope(self.db_url) as s:
+            with moved_on(job.id), session_scope(self.db_url) as s:
                 transition(
                     s,
                     job.id,
@@ -154,20 +169,21 @@ class Controller:
             position = 0
             for job in queued:
                 if free > 0 and running.get(job.tenant_id, 0) < limits.get(job.tenant_id, 0):
-                    free -= 1
-                    running[job.tenant_id] = running.get(job.tenant_id, 0) + 1
                     sid = f"{job.id}-{job.attempt + 1}"
-                    transition(
-                        s,
-                        job.id,
-                        S.QUEUED,
-                        S.RUNNING,
-                        f"Dispatched as Ray job {sid}",
-                        data={"ray_submission_id": sid, "attempt": job.attempt + 1},
-                        attempt=job.attempt + 1,
-                        ray_submission_id=sid,
-                    )
-                    started.append((job.id, sid))
+                    with moved_on(job.id):
+                        transition(
+                            s,
+                            job.id,
+                            S.QUEUED,
+                            S.RUNNING,
+                            f"Dispatched as Ray job {sid}",
+                            data={"ray_submission_id": sid, "attempt": job.attempt + 1},
+                            attempt=job.attempt + 1,
+                            ray_submission_id=sid,
+                        )
+                        started.append((job.id, sid))
+                        free -= 1
+                        running[job.tenant_id] = running.get(job.tenant_id, 0) + 1
                     continue
                 position += 1
                 self._note_queue_position(s, job.id, position)
@@ -218,13 +234,14 @@ class Controller:
             if sid is None:
                 continue
             info = self.backend.run_status(sid)
-            if info.status == NOT_FOUND:
-                log.warning("run %s of %s is unknown to Ray; submitting it", sid, job_id)
-                self._submit(job_id, sid)
-            elif info.status == SUCCEEDED:
-                self._succeed(job_id)
-            elif info.status in (FAILED, STOPPED):
-                self._fail(job_id, sid, info.message)
+            with moved_on(job_id):
+                if info.status == NOT_FOUND:
+                    log.warning("run %s of %s is unknown to Ray; submitting it", sid, job_id)
+                    self._submit(job_id, sid)
+                elif info.status == SUCCEEDED:
+                    self._succeed(job_id)
+                elif info.status in (FAILED, STOPPED):
+                    self._fail(job_id, sid, info.message)
 
     def _succeed(self, job_id: str) -> None:
         key = self.store.adapter_key(job_id)

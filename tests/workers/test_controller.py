@@ -1,0 +1,122 @@
+"""The controller's passes against an in-process twin of the Ray backend (the real one is
+exercised by tests/e2e): admission counts tokens, dispatch writes before it submits, and a
+cancel that races a pass is respected, not overwritten."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import select
+
+from tunefleet.platform.artifacts import ArtifactStore
+from tunefleet.platform.db import Adapter, File, Job, session_scope
+from tunefleet.platform.jobs import JobCreateRequest, create_job
+from tunefleet.platform.models import ModelRegistry
+from tunefleet.platform.settings import Settings
+from tunefleet.platform.status import JobStatus, transition
+from tunefleet.platform.tenants import authenticate, create_key, create_tenant
+from tunefleet.workers.backend import NOT_FOUND, SUCCEEDED, RunInfo
+from tunefleet.workers.controller import Controller
+
+CHAT = {
+    "messages": [{"role": "user", "content": "what color"}, {"role": "assistant", "content": "red"}]
+}
+
+
+class TwinBackend:
+    """Records submissions; answers run status from a dict; can run a hook on a status
+    query to stage a race."""
+
+    def __init__(self) -> None:
+        self.submitted: list[str] = []
+        self.status: dict[str, str] = {}
+        self.on_status: Any = None
+        self.deployed: list[str] = []
+
+    def submit_run(self, sid: str, job_id: str, env: dict[str, str]) -> None:
+        self.submitted.append(sid)
+        self.status[sid] = "RUNNING"
+
+    def run_status(self, sid: str) -> RunInfo:
+        if self.on_status:
+            self.on_status(sid)
+        return RunInfo(self.status.get(sid, NOT_FOUND))
+
+    def run_logs_tail(self, sid: str, lines: int = 20) -> str:
+        return ""
+
+    def stop_run(self, sid: str) -> None:
+        self.status[sid] = "STOPPED"
+
+    def deploy_model_server(self, base_model: str, model_path: str) -> str:
+        self.deployed.append(base_model)
+        return f"/models/{base_model}"
+
+
+def _job(settings: Settings) -> str:
+    url = settings.resolved_database_url
+    store = ArtifactStore(settings.resolved_artifact_root)
+    with session_scope(url) as s:
+        tenant = create_tenant(s, "acme")
+        _, key = create_key(s, tenant.id)
+        store.write_bytes(store.file_key("file-1"), (json.dumps(CHAT) + "\n").encode() * 3)
+        s.add(
+            File(
+                id="file-1",
+                tenant_id=tenant.id,
+                filename="t.jsonl",
+                purpose="fine-tune",
+                bytes=1,
+                status="processed",
+                format="chat",
+                stats={},
+                path="x",
+            )
+        )
+        s.flush()
+        principal = authenticate(s, f"Bearer {key}")
+        req = JobCreateRequest(model="tiny-llama", training_file="file-1")
+        return create_job(s, principal, req, ModelRegistry(settings.resolved_model_registry)).id
+
+
+def test_admit_dispatch_and_a_cancel_racing_success(settings: Settings) -> None:
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    job_id = _job(settings)
+    url = settings.resolved_database_url
+
+    ctl.tick()  # admit (counts tokens with the model's tokenizer) and dispatch
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "running"
+        assert job.stats is not None and job.stats["training_file"]["examples"] == 3
+        assert job.stats["training_file"]["trained_tokens"] > 0
+    assert twin.submitted == [f"{job_id}-1"]
+
+    # the run succeeds, but the user cancels just as the controller looks
+    store = ArtifactStore(settings.resolved_artifact_root)
+    (store.path(store.adapter_key(job_id))).mkdir(parents=True)
+    twin.status[f"{job_id}-1"] = SUCCEEDED
+
+    def cancel(_: str) -> None:
+        with session_scope(url) as s:
+            transition(s, job_id, JobStatus.RUNNING, JobStatus.CANCELLED, "cancelled")
+        twin.on_status = None
+
+    twin.on_status = cancel
+    ctl.tick()  # must not raise, must not overwrite the cancel
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "cancelled"
+        assert list(s.scalars(select(Adapter))) == []
+
+
+def test_a_lost_submission_is_submitted_again_under_the_same_id(settings: Settings) -> None:
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    job_id = _job(settings)
+    ctl.tick()
+    twin.status.clear()  # as if the process died between the commit and the submit
+    ctl.tick()
+    assert twin.submitted == [f"{job_id}-1", f"{job_id}-1"]
