@@ -227,11 +227,15 @@ def _wait(client: httpx.Client, job_id: str, pred: Any, what: str, timeout: floa
         time.sleep(0.5)
 
 
+def _losses(events: list[dict[str, Any]]) -> list[float]:
+    return [e["data"]["train_loss"] for e in events if e["type"] == "metrics"]
+
+
 def _steps(events: list[dict[str, Any]]) -> list[int]:
     return [e["data"]["step"] for e in events if e["type"] == "metrics"]
 
 
-def test_pause_resume_continues_from_the_checkpoint_and_cancel_stops(
+def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_cancel_stops(
     stack: dict[str, Any],
 ) -> None:
     client, file_id = _client_with_file(stack, "globex")
@@ -272,6 +276,16 @@ def test_pause_resume_continues_from_the_checkpoint_and_cancel_stops(
     assert steps == list(range(1, 61)), "resumed at the checkpoint step, none done twice"
     assert any(f"resumed at step {paused_at}" in e["message"] for e in events)
     assert [e["data"]["attempt"] for e in events if e["message"].startswith("Dispatched")] == [1, 2]
+
+    # resume parity: the same job trained straight through has exactly the same losses
+    straight = client.post("/v1/fine_tuning/jobs", json=spec).json()
+    _, straight_events = _wait(
+        client,
+        straight["id"],
+        lambda j, ev: j["status"] == "succeeded",
+        "the straight job to finish",
+    )
+    assert _losses(straight_events) == _losses(events)
 
     # cancel a running job: the Ray job stops, no adapter is made
     job = client.post("/v1/fine_tuning/jobs", json={**spec, "seed": 4}).json()

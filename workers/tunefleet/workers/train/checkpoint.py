@@ -2,8 +2,9 @@
 
 A checkpoint folder holds ``adapter/`` (``adapter_model.safetensors`` and
 ``adapter_config.json``), ``optimizer.safetensors`` (every optimizer state tensor, keyed
-``{param_index}.{name}``) and ``trainer_state.json`` (step, token count, param groups,
-scheduler state). No pickle is written or read.
+``{param_index}.{name}``, plus the CPU random-number state as ``rng``, so dropout after a
+resume draws what it would have drawn) and ``trainer_state.json`` (step, token count,
+param groups, scheduler state). No pickle is written or read.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def save(
         for name, value in state.items()
         if isinstance(value, torch.Tensor)
     }
+    tensors["rng"] = torch.get_rng_state()
     save_file(tensors, str(folder / "optimizer.safetensors"))
     state = {"param_groups": opt["param_groups"], "scheduler": scheduler.state_dict(), **extra}
     (folder / "trainer_state.json").write_text(json.dumps(state))
@@ -48,6 +50,9 @@ def load(
     state = json.loads((folder / "trainer_state.json").read_text())
     opt_state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in load_file(str(folder / "optimizer.safetensors")).items():
+        if key == "rng":
+            torch.set_rng_state(value)
+            continue
         idx, name = key.split(".", 1)
         opt_state.setdefault(int(idx), {})[name] = value
     optimizer.load_state_dict({"state": opt_state, "param_groups": state.pop("param_groups")})
