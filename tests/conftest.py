@@ -3,9 +3,11 @@ a tiny random Llama in a model registry, and an authenticated API client."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -16,6 +18,25 @@ from tunefleet.platform.settings import Settings
 from tunefleet.platform.tenants import create_key, create_tenant
 
 TINY = "tiny-llama"
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+
+
+def auth(key: str) -> dict[str, str]:
+    """The Authorization header of an API key."""
+    return {"Authorization": f"Bearer {key}"}
+
+
+def upload_chat(client: Any, key: str, name: str = "a.jsonl") -> dict[str, Any]:
+    """Upload a one-example chat file as ``key``'s tenant; returns the file object."""
+    resp = client.post(
+        "/v1/files",
+        headers=auth(key),
+        data={"purpose": "fine-tune"},
+        files={"file": (name, json.dumps(CHAT).encode())},
+    )
+    assert resp.status_code == 200, resp.text
+    result: dict[str, Any] = resp.json()
+    return result
 
 
 @pytest.fixture(scope="session")

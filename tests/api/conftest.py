@@ -24,7 +24,3 @@ def key_a(settings: Settings) -> str:
 @pytest.fixture
 def key_b(settings: Settings) -> str:
     return make_tenant(settings.resolved_database_url, "tenant-b")
-
-
-def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi.testclient import TestClient
 
+from conftest import auth as H
+from conftest import upload_chat
 from tunefleet.platform.db import session_scope
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.tenants import create_key, create_tenant
-
-CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
-
-
-def H(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 def admin_key(settings: Settings) -> str:
@@ -56,12 +51,7 @@ def test_admin_manages_tenants_keys_and_sees_all_jobs(
     assert app_client.get("/v1/files", headers=H(key["api_key"])).status_code == 401
 
     # GPU quota checked at admission: newco may use 0 GPUs
-    f = app_client.post(
-        "/v1/files",
-        headers=H(made["api_key"]),
-        data={"purpose": "fine-tune"},
-        files={"file": ("a.jsonl", json.dumps(CHAT).encode())},
-    ).json()
+    f = upload_chat(app_client, made["api_key"])
     body = {
         "model": "tiny-llama",
         "training_file": f["id"],
@@ -82,12 +72,7 @@ def test_admin_manages_tenants_keys_and_sees_all_jobs(
 def test_concurrent_retries_with_one_idempotency_key_make_one_job(
     app_client: TestClient, key_a: str
 ) -> None:
-    f = app_client.post(
-        "/v1/files",
-        headers=H(key_a),
-        data={"purpose": "fine-tune"},
-        files={"file": ("a.jsonl", json.dumps(CHAT).encode())},
-    ).json()
+    f = upload_chat(app_client, key_a)
     body = {"model": "tiny-llama", "training_file": f["id"]}
 
     def create(_: int) -> str:

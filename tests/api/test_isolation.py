@@ -9,25 +9,16 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from conftest import auth as H
+from conftest import upload_chat
 from tunefleet.platform.db import Adapter, session_scope
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.settings import Settings
 
-CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
-
-
-def H(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
 
 @pytest.fixture
 def a_objects(app_client: TestClient, key_a: str, settings: Settings) -> dict[str, Any]:
-    f = app_client.post(
-        "/v1/files",
-        headers=H(key_a),
-        data={"purpose": "fine-tune"},
-        files={"file": ("a.jsonl", json.dumps(CHAT).encode())},
-    ).json()
+    f = upload_chat(app_client, key_a)
     job = app_client.post(
         "/v1/fine_tuning/jobs",
         headers=H(key_a),
@@ -83,12 +74,7 @@ def test_tenant_b_gets_404(
     path: str,
     body: dict[str, Any] | None,
 ) -> None:
-    own = app_client.post(
-        "/v1/files",
-        headers=H(key_b),
-        data={"purpose": "fine-tune"},
-        files={"file": ("b.jsonl", json.dumps(CHAT).encode())},
-    ).json()["id"]
+    own = upload_chat(app_client, key_b, "b.jsonl")["id"]
     fill = {**a_objects, "own": own}
     url = path.format(**fill)
     payload = (

@@ -7,16 +7,13 @@ import json
 
 from fastapi.testclient import TestClient
 
+from conftest import auth as H
 from tunefleet.platform.settings import Settings
 
 CHAT = {
     "messages": [{"role": "user", "content": "what color"}, {"role": "assistant", "content": "red"}]
 }
 TINY = "tiny-llama"
-
-
-def H(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 def upload(client: TestClient, key: str, body: bytes, name: str = "train.jsonl") -> dict:  # type: ignore[type-arg]

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import TINY
+from conftest import TINY, upload_chat
+from conftest import auth as H
 from tunefleet.platform.settings import Settings
-
-
-def H(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["all-linear"]])
@@ -62,13 +58,7 @@ def test_plan_errors_and_the_plan_stored_on_a_job(app_client: TestClient, key_a:
     assert not small["advice"]["fits"]
     assert any("would fit with" in r for r in small["advice"]["reasons"])
 
-    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
-    f = app_client.post(
-        "/v1/files",
-        headers=H(key_a),
-        data={"purpose": "fine-tune"},
-        files={"file": ("a.jsonl", json.dumps(chat).encode())},
-    ).json()
+    f = upload_chat(app_client, key_a)
     job = app_client.post(
         "/v1/fine_tuning/jobs", headers=H(key_a), json={"model": TINY, "training_file": f["id"]}
     ).json()
@@ -84,15 +74,7 @@ def _client_with_device(settings: Settings, gib: float) -> TestClient:
 
 
 def _upload(client: TestClient, key: str) -> str:
-    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
-    return str(
-        client.post(
-            "/v1/files",
-            headers=H(key),
-            data={"purpose": "fine-tune"},
-            files={"file": ("a.jsonl", json.dumps(chat).encode())},
-        ).json()["id"]
-    )
+    return str(upload_chat(client, key)["id"])
 
 
 def test_auto_settings_follow_the_chart(settings: Settings, key_a: str) -> None:

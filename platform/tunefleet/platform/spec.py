@@ -88,10 +88,6 @@ class Hyperparameters(_Frozen):
     batch_size: int = Field(ge=1, le=4096)
     learning_rate_multiplier: float = Field(gt=0, le=100)
 
-    @property
-    def requested(self) -> dict[str, int | float]:
-        return self.model_dump()
-
 
 class JobSpec(_Frozen):
     """Everything a run needs to train, and nothing it must look up elsewhere."""
