@@ -91,15 +91,17 @@ async def offered_load(
     base: str, keys: list[str], files: list[str], clients: int, rate: float, duration_s: float
 ) -> dict[str, Any]:
     """Creates offered at ``rate`` per second on a fixed schedule over ``clients``
-    connections; each latency counts from the request's scheduled start."""
+    connections, with one list of jobs per five creates (the closed loop's mix); each
+    latency counts from the request's scheduled start."""
     n = int(rate * duration_s)
     latencies: list[float] = []
+    list_latencies: list[float] = []
     errors: list[str] = []
     connector = aiohttp.TCPConnector(limit=clients)
     async with aiohttp.ClientSession(base, connector=connector) as http:
         start = time.perf_counter() + 0.2
 
-        async def one(i: int) -> None:
+        async def create(i: int) -> None:
             due = start + i / rate
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             key, file_id = keys[i % len(keys)], files[i % len(files)]
@@ -115,14 +117,29 @@ async def offered_load(
             if resp.status != 200:
                 errors.append(f"create {resp.status}")
 
-        await asyncio.gather(*[one(i) for i in range(n)])
+        async def list_jobs(j: int) -> None:
+            due = start + (5 * j + 2.5) / rate
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            headers = {"Authorization": f"Bearer {keys[j % len(keys)]}"}
+            async with http.get("/v1/fine_tuning/jobs?limit=20", headers=headers) as resp:
+                await resp.read()
+            list_latencies.append(time.perf_counter() - due)
+            if resp.status != 200:
+                errors.append(f"list {resp.status}")
+
+        await asyncio.gather(
+            *[create(i) for i in range(n)], *[list_jobs(j) for j in range(n // 5)]
+        )
         wall = time.perf_counter() - start
     return {
         "offered_per_s": rate,
+        "offered_lists_per_s": rate / 5,
         "achieved_per_s": round(n / wall, 1),
         "creates": n,
         "p50_ms": round(1000 * statistics.median(latencies), 1),
         "p99_ms": round(1000 * percentile(latencies, 0.99), 1),
+        "list_p50_ms": round(1000 * statistics.median(list_latencies), 1),
+        "list_p99_ms": round(1000 * percentile(list_latencies, 0.99), 1),
         "errors": errors[:5],
     }
 
@@ -210,7 +227,7 @@ def run_backend(
             worker = psutil.Process(server.pid).children()[-1].pid
             subprocess.Popen(
                 [
-                    "py-spy",
+                    str(Path(sys.executable).parent / "py-spy"),
                     "record",
                     "-d",
                     "8",

@@ -16,20 +16,24 @@ from tunefleet.platform.tenants import Principal, authenticate
 
 # The dependencies are ``async def`` although they do no I/O of their own (or, for the
 # key check, only on a cache miss): FastAPI runs sync dependencies in its thread pool, and
-# five pool hops per request cost more than the work itself.
+# five pool hops per request cost more than the work itself. They read the settings from
+# the request rather than from a settings dependency: FastAPI solves a nested dependency
+# again everywhere it appears, and the flat graph measured cheaper on the hot routes.
 
 
-async def get_settings_dep(request: Request) -> Settings:
+def _settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-async def get_session(
-    settings: Annotated[Settings, Depends(get_settings_dep)],
-) -> AsyncIterator[Session]:
+async def get_settings_dep(request: Request) -> Settings:
+    return _settings(request)
+
+
+async def get_session(request: Request) -> AsyncIterator[Session]:
     """A session per request. Routes commit what they write before they answer, so a
     client that reads right after a write sees it."""
-    session = session_factory(settings.resolved_database_url)()
+    session = session_factory(_settings(request).resolved_database_url)()
     try:
         yield session
     finally:
@@ -44,12 +48,12 @@ async def get_principal(
     return authenticate(session, authorization)
 
 
-async def get_store(settings: Annotated[Settings, Depends(get_settings_dep)]) -> ArtifactStore:
-    return ArtifactStore(settings.resolved_artifact_root)
+async def get_store(request: Request) -> ArtifactStore:
+    return ArtifactStore(_settings(request).resolved_artifact_root)
 
 
-async def get_registry(settings: Annotated[Settings, Depends(get_settings_dep)]) -> ModelRegistry:
-    return ModelRegistry(settings.resolved_model_registry)
+async def get_registry(request: Request) -> ModelRegistry:
+    return ModelRegistry(_settings(request).resolved_model_registry)
 
 
 SessionDep = Annotated[Session, Depends(get_session)]

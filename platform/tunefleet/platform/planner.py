@@ -22,8 +22,10 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+import orjson
+
 from tunefleet.platform.errors import InvalidRequest
-from tunefleet.platform.spec import JobSpec
+from tunefleet.platform.spec import JobSpec, TuneFleetOptions
 
 GiB = 1024**3
 
@@ -385,12 +387,40 @@ def plan_input_from_spec(spec: JobSpec) -> PlanInput:
 SUPPORTED_STRATEGIES = ("ddp",)
 
 
+# Resolved options and plans by everything they depend on: most jobs repeat a few
+# configurations, and job creation (the API's hottest write) plans every job.
+_RESOLVED: dict[tuple[Any, ...], tuple[TuneFleetOptions, dict[str, Any]]] = {}
+_RESOLVED_MAX = 1024
+
+
 def resolve_spec(
     config: dict[str, Any], spec: JobSpec, *, device_bytes: float, host_bytes: float
 ) -> tuple[JobSpec, dict[str, Any]]:
     """Settle the spec's ``auto`` memory settings with the planner (the seeds' chart) and
     return the concrete spec with its plan. Raises ``InvalidRequest`` naming what would be
-    needed when the job cannot fit the device, or needs a strategy the loop lacks."""
+    needed when the job cannot fit the device, or needs a strategy the loop lacks.
+    The plan may be shared with other callers: read it, do not change it."""
+    key = (
+        orjson.dumps(config, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS),
+        spec.model,
+        spec.tunefleet.model_dump_json(),
+        spec.hyperparameters.batch_size,
+        device_bytes,
+        host_bytes,
+    )
+    hit = _RESOLVED.get(key)
+    if hit is None:
+        resolved = _resolve_spec(config, spec, device_bytes=device_bytes, host_bytes=host_bytes)
+        hit = (resolved[0].tunefleet, resolved[1])
+        if len(_RESOLVED) >= _RESOLVED_MAX:
+            _RESOLVED.clear()
+        _RESOLVED[key] = hit
+    return spec.model_copy(update={"tunefleet": hit[0]}), hit[1]
+
+
+def _resolve_spec(
+    config: dict[str, Any], spec: JobSpec, *, device_bytes: float, host_bytes: float
+) -> tuple[JobSpec, dict[str, Any]]:
     opts = spec.tunefleet
     advice = advise(
         ModelShape.from_config(config), plan_input_from_spec(spec), device_bytes,

@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import JSONResponse
-from sqlalchemy import select
+from sqlalchemy import Row, select
 from sqlalchemy.exc import IntegrityError
 
 from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep, StoreDep
+from tunefleet.api.responses import FastJSONResponse
 from tunefleet.platform.db import Checkpoint, Job
 from tunefleet.platform.errors import NotFound, TuneFleetError
 from tunefleet.platform.jobs import (
+    JOB_COLUMNS,
     JobCreateRequest,
     create_job,
     event_view,
@@ -39,7 +40,7 @@ async def create(
     registry: RegistryDep,
     settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header()] = None,
-) -> JSONResponse:
+) -> FastJSONResponse:
     def existing() -> Job | None:
         if idempotency_key is None:
             return None
@@ -65,7 +66,7 @@ async def create(
         if found is None:
             raise
         job = found
-    return JSONResponse(job_view(job))
+    return FastJSONResponse(job_view(job))
 
 
 @router.get("")
@@ -75,8 +76,8 @@ async def list_jobs(
     principal: PrincipalDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-) -> JSONResponse:
-    query = select(Job).where(Job.tenant_id == principal.tenant_id)
+) -> FastJSONResponse:
+    query = select(*JOB_COLUMNS).where(Job.tenant_id == principal.tenant_id)
     if after:
         anchor = session.get(Job, after)
         if anchor is None or anchor.tenant_id != principal.tenant_id:
@@ -87,14 +88,14 @@ async def list_jobs(
         )
     wanted = _metadata_filter(request)
     ordered = query.order_by(Job.created_ns.desc(), Job.id.desc())
-    rows: list[Job] = []
+    rows: list[Row[Any]] = []
     # Metadata is JSON, filtered here so SQLite and PostgreSQL agree; stop at limit + 1.
-    for job in session.scalars(ordered if wanted else ordered.limit(limit + 1)):
+    for job in session.execute(ordered if wanted else ordered.limit(limit + 1)):
         if all((job.metadata_ or {}).get(k) == v for k, v in wanted.items()):
             rows.append(job)
             if len(rows) > limit:
                 break
-    return JSONResponse(
+    return FastJSONResponse(
         {
             "object": "list",
             "data": [job_view(j) for j in rows[:limit]],
@@ -113,8 +114,8 @@ def _metadata_filter(request: Request) -> dict[str, str]:
 
 
 @router.get("/{job_id}")
-async def retrieve(job_id: str, session: SessionDep, principal: PrincipalDep) -> JSONResponse:
-    return JSONResponse(job_view(get_job(session, principal, job_id)))
+async def retrieve(job_id: str, session: SessionDep, principal: PrincipalDep) -> FastJSONResponse:
+    return FastJSONResponse(job_view(get_job(session, principal, job_id)))
 
 
 @router.post("/{job_id}/cancel")

@@ -9,6 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import orjson
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -22,6 +23,15 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+def _json_dumps(value: Any) -> str:
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+# JSON columns (job specs, plans, requests) are encoded and decoded on every job written
+# or listed; orjson does it several times faster than the standard library.
+_JSON = {"json_serializer": _json_dumps, "json_deserializer": orjson.loads}
+
+
 @lru_cache(maxsize=8)
 def get_engine(url: str) -> Engine:
     """One engine per URL per process."""
@@ -29,13 +39,15 @@ def get_engine(url: str) -> Engine:
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": 30}, **_JSON
+        )
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     # No pool_pre_ping: it costs a round trip per checkout, on every request. Connections
     # a server dropped are replaced after an error (SQLAlchemy invalidates them) and
     # recycled hourly.
-    return create_engine(url, pool_size=10, max_overflow=20, pool_recycle=3600)
+    return create_engine(url, pool_size=10, max_overflow=20, pool_recycle=3600, **_JSON)
 
 
 @lru_cache(maxsize=8)
