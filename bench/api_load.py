@@ -127,9 +127,7 @@ async def offered_load(
             if resp.status != 200:
                 errors.append(f"list {resp.status}")
 
-        await asyncio.gather(
-            *[create(i) for i in range(n)], *[list_jobs(j) for j in range(n // 5)]
-        )
+        await asyncio.gather(*[create(i) for i in range(n)], *[list_jobs(j) for j in range(n // 5)])
         wall = time.perf_counter() - start
     return {
         "offered_per_s": rate,
