@@ -13,6 +13,7 @@ from tunefleet.platform.artifacts import ArtifactStore
 from tunefleet.platform.db import Adapter, File, Job, session_scope
 from tunefleet.platform.jobs import JobCreateRequest, create_job
 from tunefleet.platform.models import ModelRegistry
+from tunefleet.platform.scheduler import Node
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.status import JobStatus, transition
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
@@ -48,6 +49,9 @@ class TwinBackend:
 
     def stop_run(self, sid: str) -> None:
         self.status[sid] = "STOPPED"
+
+    def nodes(self) -> list[Node]:
+        return [Node("twin", cpus=1)]
 
     def deploy_model_server(self, base_model: str, model_path: str) -> str:
         self.deployed.append(base_model)

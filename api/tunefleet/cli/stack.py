@@ -48,6 +48,7 @@ def running_stack(settings: Settings, *, builtin_model: bool = True) -> Iterator
     import uvicorn
 
     from tunefleet.api import create_app
+    from tunefleet.platform.lease import Lease
     from tunefleet.workers.backend import RayBackend
     from tunefleet.workers.controller import Controller
 
@@ -55,7 +56,8 @@ def running_stack(settings: Settings, *, builtin_model: bool = True) -> Iterator
     backend = RayBackend(settings)
     backend.connect()
     stop = threading.Event()
-    controller = Controller(settings, backend)
+    lease = Lease(settings.resolved_database_url, ttl_s=settings.controller_lease_ttl_s)
+    controller = Controller(settings, backend, lease=lease)
     ctl_thread = threading.Thread(
         target=controller.run_forever, args=(stop,), daemon=True, name="controller"
     )

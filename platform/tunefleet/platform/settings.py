@@ -66,6 +66,11 @@ class Settings(BaseSettings):
     controller_interval_s: float = Field(
         default=0.5, description="Seconds between two passes of the controller loop."
     )
+    controller_lease_ttl_s: float = Field(
+        default=15,
+        description="Seconds a controller's leadership lasts unless renewed (every pass); "
+        "a standby controller takes over this long after the leader dies.",
+    )
 
     @property
     def resolved_database_url(self) -> str:

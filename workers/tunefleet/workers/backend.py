@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from tunefleet.platform.scheduler import Node
 from tunefleet.platform.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,19 @@ class RayBackend:
         self._client = JobSubmissionClient(dashboard)
         log.info("Ray Jobs API at %s", dashboard)
 
-    def cluster_resources(self) -> dict[str, float]:
+    def nodes(self) -> list[Node]:
+        """The cluster's live nodes with their total CPUs and GPUs."""
         import ray
 
-        return {k: float(v) for k, v in ray.cluster_resources().items()}
+        return [
+            Node(
+                str(n["NodeID"]),
+                float(n["Resources"].get("CPU", 0.0)),
+                float(n["Resources"].get("GPU", 0.0)),
+            )
+            for n in ray.nodes()
+            if n.get("Alive")
+        ]
 
     # -- runs (Ray Jobs API) -----------------------------------------------------------
     def submit_run(self, submission_id: str, job_id: str, env: dict[str, str]) -> None:

@@ -1,29 +1,52 @@
 """The controller: one loop that moves jobs through their life on Ray.
 
-Each pass: admit jobs whose files are validated (``validating_files -> queued``), dispatch
-queued jobs by priority then age while run slots are free (``queued -> running``, then a
-Ray job), follow running jobs to their end, and stop the Ray jobs of cancelled ones. The
-status moves through ``status.transition`` (compare-and-set), so an API cancel racing a
-dispatch can never both win. The database write comes before the Ray submit, and the
-submission id is deterministic, so a crash in between is repaired on the next pass.
+Each pass: admit jobs whose files are validated (``validating_files -> queued``), follow
+running jobs to their end (retrying failed runs with backoff), let the scheduling policy
+(``tunefleet.platform.scheduler.plan``) decide which queued jobs start and where, apply
+those decisions, and stop the Ray jobs of cancelled or paused ones. Only the holder of the
+controller lease (``tunefleet.platform.lease``) runs passes; a standby takes over when the
+leader stops renewing it.
+
+Crash safety: status moves through ``status.transition`` (compare-and-set), so an API
+cancel racing a dispatch can never both win. The database write comes before the Ray
+submit, and a run's submission id is ``{job_id}-{attempt}``, so a crash at any point is
+repaired on the next pass: a running job whose run Ray does not know is submitted again
+under the same id (Ray Train then restores the newest checkpoint), and a submit that Ray
+already has is not repeated. ``TUNEFLEET_FAILPOINT`` names a point at which the process
+kills itself with SIGKILL, for the fault-injection tests.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from tunefleet.platform.artifacts import ArtifactStore
 from tunefleet.platform.db import Adapter, Job, JobEvent, Tenant, now_s, session_scope
 from tunefleet.platform.errors import Conflict
 from tunefleet.platform.ids import new_id
+from tunefleet.platform.lease import Lease
 from tunefleet.platform.models import ModelRegistry
+from tunefleet.platform.scheduler import (
+    Dispatch,
+    Node,
+    QueuedJob,
+    Reject,
+    RunningJob,
+    Snapshot,
+    TenantQuota,
+    Wait,
+    plan,
+)
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.spec import JobSpec, fine_tuned_model_name
 from tunefleet.platform.status import JobStatus, add_event, transition
@@ -50,15 +73,27 @@ def moved_on(job_id: str) -> Iterator[None]:
         log.info("job %s moved on: %s", job_id, exc.message)
 
 
+def failpoint(name: str) -> None:
+    """Die here, as ``kill -9`` would kill us, when ``TUNEFLEET_FAILPOINT`` names this point."""
+    if os.environ.get("TUNEFLEET_FAILPOINT") == name:
+        log.warning("failpoint %s: SIGKILL", name)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 # A paused run checkpoints and exits at its next step; past this it is stopped outright.
 PAUSE_GRACE_S = 120
+# A failed run is retried after RETRY_BASE_S, then twice as long each time, at most
+# RETRY_MAX_S; the job fails after MAX_RUN_FAILURES failed runs.
+MAX_RUN_FAILURES = 3
+RETRY_BASE_S = 10
+RETRY_MAX_S = 300
 
 
 class Controller:
-    def __init__(self, settings: Settings, backend: RayBackend, *, max_running: int = 1):
+    def __init__(self, settings: Settings, backend: RayBackend, *, lease: Lease | None = None):
         self.settings = settings
         self.backend = backend
-        self.max_running = max_running
+        self.lease = lease
         self.db_url = settings.resolved_database_url
         self.store = ArtifactStore(settings.resolved_artifact_root)
         self.registry = ModelRegistry(settings.resolved_model_registry)
@@ -67,13 +102,29 @@ class Controller:
 
     # -- the loop --------------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
-        self.serve_existing_adapters()
-        while not stop.is_set():
-            try:
-                self.tick()
-            except Exception:  # top of the loop: log, keep the controller alive
-                log.exception("controller pass failed")
-            stop.wait(self.settings.controller_interval_s)
+        """Run passes until ``stop`` while this controller holds the lease (always, without
+        one); hand the lease back on the way out."""
+        leading = False
+        try:
+            while not stop.is_set():
+                try:
+                    if self.lease is None or self.lease.acquire():
+                        if not leading:
+                            leading = True
+                            log.info(
+                                "controller leads (term %s)", getattr(self.lease, "term", None)
+                            )
+                            self.serve_existing_adapters()
+                        self.tick()
+                    elif leading:
+                        leading = False
+                        log.warning("controller lost the lease; standing by")
+                except Exception:  # top of the loop: log, keep the controller alive
+                    log.exception("controller pass failed")
+                stop.wait(self.settings.controller_interval_s)
+        finally:
+            if self.lease is not None:
+                self.lease.release()
 
     def tick(self) -> None:
         self._admit()
@@ -148,53 +199,111 @@ class Controller:
         return token_stats(path, self._tokenizers[model], max_seq_len)
 
     def _dispatch(self) -> None:
-        """Start queued jobs by priority then age while run slots are free, never more
-        than a tenant's ``max_concurrent_jobs`` at once; tell the others their place."""
+        """Apply the scheduling policy: start the jobs it picks on the nodes it picks, tell
+        the others their place in the queue and why, fail the ones that can never fit."""
+        now = time.time()
         started: list[tuple[str, str]] = []
         with session_scope(self.db_url) as s:
-            running = dict(
-                s.execute(
-                    select(Job.tenant_id, func.count())
-                    .where(Job.status == S.RUNNING.value)
-                    .group_by(Job.tenant_id)
-                ).all()
+            queued = list(
+                s.scalars(
+                    select(Job)
+                    .where(Job.status == S.QUEUED.value)
+                    .order_by(Job.priority.desc(), Job.created_ns, Job.id)
+                )
             )
-            limits = dict(s.execute(select(Tenant.id, Tenant.max_concurrent_jobs)).all())
-            free = self.max_running - sum(running.values())
-            queued = s.scalars(
-                select(Job)
-                .where(Job.status == S.QUEUED.value)
-                .order_by(Job.priority.desc(), Job.created_ns, Job.id)
-            )
-            position = 0
-            for job in queued:
-                if free > 0 and running.get(job.tenant_id, 0) < limits.get(job.tenant_id, 0):
-                    sid = f"{job.id}-{job.attempt + 1}"
-                    with moved_on(job.id):
+            if not queued:
+                return
+            snapshot = self._snapshot(s, queued)
+            jobs = {j.id: j for j in queued}
+            for decision in plan(snapshot, now):
+                job = jobs[decision.job_id]
+                with moved_on(job.id):
+                    if isinstance(decision, Dispatch):
+                        started.append((job.id, self._start(s, job, decision)))
+                    elif isinstance(decision, Wait):
+                        self._note_queue_position(s, job.id, decision.position, decision.reason)
+                    elif isinstance(decision, Reject):
                         transition(
                             s,
                             job.id,
                             S.QUEUED,
-                            S.RUNNING,
-                            f"Dispatched as Ray job {sid}",
-                            data={"ray_submission_id": sid, "attempt": job.attempt + 1},
-                            attempt=job.attempt + 1,
-                            ray_submission_id=sid,
+                            S.FAILED,
+                            f"The job cannot run on this cluster: {decision.reason}",
+                            level="error",
+                            error={
+                                "code": "does_not_fit_cluster",
+                                "message": decision.reason,
+                                "param": "tunefleet.resources",
+                            },
                         )
-                        started.append((job.id, sid))
-                        free -= 1
-                        running[job.tenant_id] = running.get(job.tenant_id, 0) + 1
-                    continue
-                position += 1
-                self._note_queue_position(s, job.id, position)
+        failpoint("dispatch.after_commit")
         # Submit after the commit: a crash here leaves a running job whose Ray job is
         # NOT_FOUND, which _follow_running submits again under the same id.
         for job_id, sid in started:
             self._submit(job_id, sid)
 
+    def _snapshot(self, s: Session, queued: list[Job]) -> Snapshot:
+        """The policy's view: queued and running jobs, quotas, and each Ray node's capacity
+        less what TuneFleet's running jobs were placed on."""
+        nodes = self.backend.nodes()
+        held: dict[str, list[float]] = {n.id: [0.0, 0.0] for n in nodes}
+        running: list[RunningJob] = []
+        for job in s.scalars(select(Job).where(Job.status == S.RUNNING.value)):
+            res = JobSpec.model_validate(job.spec).tunefleet.resources
+            placed = (job.placement or {}).get("nodes", [])
+            for node_id in placed:
+                if node_id in held:
+                    held[node_id][0] += res.cpus_per_worker
+                    held[node_id][1] += res.gpus_per_worker
+            running.append(
+                RunningJob(
+                    job.id,
+                    job.tenant_id,
+                    res.num_workers * res.cpus_per_worker,
+                    res.num_workers * res.gpus_per_worker,
+                )
+            )
+        tenants = {
+            t.id: TenantQuota(t.id, t.max_concurrent_jobs, t.max_gpus)
+            for t in s.scalars(select(Tenant))
+        }
+        return Snapshot(
+            queued=[_queued(job) for job in queued],
+            running=running,
+            tenants=tenants,
+            nodes=[
+                Node(
+                    n.id,
+                    n.cpus,
+                    n.gpus,
+                    free_cpus=max(0.0, n.cpus - held[n.id][0]),
+                    free_gpus=max(0.0, n.gpus - held[n.id][1]),
+                )
+                for n in nodes
+            ],
+        )
+
     @staticmethod
-    def _note_queue_position(s: Session, job_id: str, position: int) -> None:
-        message = f"Waiting in queue at position {position}"
+    def _start(s: Session, job: Job, decision: Dispatch) -> str:
+        sid = f"{job.id}-{job.attempt + 1}"
+        nodes = list(decision.nodes)
+        transition(
+            s,
+            job.id,
+            S.QUEUED,
+            S.RUNNING,
+            f"Dispatched as Ray job {sid} to node(s) {', '.join(sorted(set(nodes)))}",
+            data={"ray_submission_id": sid, "attempt": job.attempt + 1, "nodes": nodes},
+            attempt=job.attempt + 1,
+            ray_submission_id=sid,
+            placement={"nodes": nodes},
+            not_before=None,
+        )
+        return sid
+
+    @staticmethod
+    def _note_queue_position(s: Session, job_id: str, position: int, reason: str) -> None:
+        message = f"Waiting in queue at position {position}: {reason}"
         last = s.scalar(
             select(JobEvent.message)
             .where(JobEvent.job_id == job_id)
@@ -202,7 +311,7 @@ class Controller:
             .limit(1)
         )
         if last != message:
-            add_event(s, job_id, message, data={"queue_position": position})
+            add_event(s, job_id, message, data={"queue_position": position, "reason": reason})
 
     def _submit(self, job_id: str, sid: str) -> None:
         env = {
@@ -212,6 +321,9 @@ class Controller:
         }
         try:
             self.backend.submit_run(sid, job_id, env)
+            failpoint("dispatch.after_submit")
+            with session_scope(self.db_url) as s:
+                add_event(s, job_id, f"Ray job {sid} submitted", data={"ray_submission_id": sid})
         except Exception as exc:
             with session_scope(self.db_url) as s:
                 transition(
@@ -226,11 +338,14 @@ class Controller:
 
     def _follow_running(self) -> None:
         with session_scope(self.db_url) as s:
-            jobs = [
-                (j.id, j.ray_submission_id)
-                for j in s.scalars(select(Job).where(Job.status == S.RUNNING.value))
-            ]
-        for job_id, sid in jobs:
+            jobs = list(
+                s.execute(
+                    select(Job.id, Job.ray_submission_id, Job.failures).where(
+                        Job.status == S.RUNNING.value
+                    )
+                )
+            )
+        for job_id, sid, failures in jobs:
             if sid is None:
                 continue
             info = self.backend.run_status(sid)
@@ -241,7 +356,31 @@ class Controller:
                 elif info.status == SUCCEEDED:
                     self._succeed(job_id)
                 elif info.status in (FAILED, STOPPED):
-                    self._fail(job_id, sid, info.message)
+                    if failures + 1 < MAX_RUN_FAILURES:
+                        self._retry(job_id, sid, failures + 1, info.message)
+                    else:
+                        self._fail(job_id, sid, info.message)
+                else:
+                    failpoint("follow.running")
+
+    def _retry(self, job_id: str, sid: str, failures: int, message: str) -> None:
+        """Requeue a job whose run failed, to start again after a backoff; the next run
+        restores the newest checkpoint."""
+        delay = min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (failures - 1))
+        with session_scope(self.db_url) as s:
+            transition(
+                s,
+                job_id,
+                S.RUNNING,
+                S.QUEUED,
+                f"Ray job {sid} failed ({message or 'no message'}); retrying from the newest "
+                f"checkpoint in {delay}s (failure {failures} of {MAX_RUN_FAILURES})",
+                level="warning",
+                data={"ray_submission_id": sid, "failures": failures, "retry_in_s": delay},
+                failures=failures,
+                not_before=now_s() + delay,
+                placement=None,
+            )
 
     def _succeed(self, job_id: str) -> None:
         key = self.store.adapter_key(job_id)
@@ -344,3 +483,17 @@ class Controller:
         for base in sorted(bases):
             if base in self.registry.names():
                 self.ensure_served(base)
+
+
+def _queued(job: Job) -> QueuedJob:
+    res = JobSpec.model_validate(job.spec).tunefleet.resources
+    return QueuedJob(
+        id=job.id,
+        tenant_id=job.tenant_id,
+        created_ns=job.created_ns,
+        priority=job.priority,
+        workers=res.num_workers,
+        cpus_per_worker=res.cpus_per_worker,
+        gpus_per_worker=res.gpus_per_worker,
+        not_before=job.not_before,
+    )

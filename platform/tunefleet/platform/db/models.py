@@ -97,6 +97,23 @@ class Job(Base):
     created_ns: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     updated_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
     finished_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # The scheduler's bookkeeping: runs that failed (retried with backoff up to a limit),
+    # the earliest second a queued job may start again, and where its workers were placed.
+    failures: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    not_before: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    placement: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+class ControllerLease(Base):
+    """Leader election: the controller holding the unexpired lease row is the one that
+    dispatches. ``term`` grows with every change of holder (a fencing token)."""
+
+    __tablename__ = "controller_leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    term: Mapped[int] = mapped_column(BigInteger)
+    expires_ms: Mapped[int] = mapped_column(BigInteger)
 
 
 class JobEvent(Base):
