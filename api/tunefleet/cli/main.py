@@ -52,6 +52,29 @@ def up(
 
 
 @app.command()
+def controller() -> None:
+    """Run only the controller against TUNEFLEET_DATABASE_URL and the Ray cluster at
+    TUNEFLEET_RAY_ADDRESS (a local Ray when unset). Start several for high availability:
+    one leads through the database lease, the others stand by."""
+    from tunefleet.platform.db.migrate import upgrade as migrate
+    from tunefleet.platform.lease import Lease
+    from tunefleet.workers.backend import RayBackend
+    from tunefleet.workers.controller import Controller
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = get_settings()
+    migrate(settings.resolved_database_url)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    backend = RayBackend(settings)
+    backend.connect()
+    lease = Lease(settings.resolved_database_url, ttl_s=settings.controller_lease_ttl_s)
+    print(f"controller {lease.holder} started", flush=True)
+    Controller(settings, backend, lease=lease).run_forever(done)
+
+
+@app.command()
 def demo() -> None:
     """Fine-tune the built-in model on the bundled dataset and compare answers."""
     from tunefleet.cli.demo import run_demo
