@@ -258,3 +258,6 @@ def test_sigkill_at_each_step_of_dispatch_loses_nothing_and_trains_once(
         metrics = [e.data for e in _events(platform["url"], job_id) if e.type == "metrics"]
         total = metrics[-1]["total_steps"]  # 3 epochs of one step
         assert [m["step"] for m in metrics] == list(range(1, total + 1))  # none trained twice
+    # the restarted controllers said so on the jobs they found running
+    messages = [e.message for job_id in ids for e in _events(platform["url"], job_id)]
+    assert any(m.startswith("Controller (term ") and "re-attached" in m for m in messages)

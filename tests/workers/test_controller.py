@@ -5,13 +5,14 @@ cancel that races a pass is respected, not overwritten."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from sqlalchemy import select
 
 from tunefleet.platform.artifacts import ArtifactStore
 from tunefleet.platform.db import Adapter, File, Job, session_scope
-from tunefleet.platform.jobs import JobCreateRequest, create_job
+from tunefleet.platform.jobs import JobCreateRequest, create_job, list_events
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.scheduler import Node
 from tunefleet.platform.settings import Settings
@@ -58,7 +59,7 @@ class TwinBackend:
         return f"/models/{base_model}"
 
 
-def _job(settings: Settings) -> str:
+def _job(settings: Settings, **request: Any) -> str:
     url = settings.resolved_database_url
     store = ArtifactStore(settings.resolved_artifact_root)
     with session_scope(url) as s:
@@ -80,7 +81,9 @@ def _job(settings: Settings) -> str:
         )
         s.flush()
         principal = authenticate(s, f"Bearer {key}")
-        req = JobCreateRequest(model="tiny-llama", training_file="file-1")
+        req = JobCreateRequest.model_validate(
+            {"model": "tiny-llama", "training_file": "file-1", **request}
+        )
         return create_job(s, principal, req, ModelRegistry(settings.resolved_model_registry)).id
 
 
@@ -124,3 +127,46 @@ def test_a_lost_submission_is_submitted_again_under_the_same_id(settings: Settin
     twin.status.clear()  # as if the process died between the commit and the submit
     ctl.tick()
     assert twin.submitted == [f"{job_id}-1", f"{job_id}-1"]
+
+
+def test_a_failed_run_is_retried_with_backoff_then_the_job_fails(settings: Settings) -> None:
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    job_id = _job(settings)
+    url = settings.resolved_database_url
+    ctl.tick()
+    for failure in (1, 2):
+        twin.status[f"{job_id}-{failure}"] = "FAILED"
+        ctl.tick()  # requeued with a backoff; not started again yet
+        with session_scope(url) as s:
+            job = s.get(Job, job_id)
+            assert job is not None and job.status == "queued" and job.failures == failure
+            assert job.not_before is not None and job.not_before > time.time()
+            job.not_before = 0  # the backoff has passed
+        assert twin.submitted[-1] == f"{job_id}-{failure}"
+        ctl.tick()
+        assert twin.submitted[-1] == f"{job_id}-{failure + 1}"  # the next run
+    twin.status[f"{job_id}-3"] = "FAILED"
+    ctl.tick()
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "failed" and job.failures == 2
+        messages = [e.message for e in list_events(s, job_id, limit=100)[0]]
+    assert sum("retrying from the newest checkpoint in" in m for m in messages) == 2
+    assert any("in 10s (failure 1 of 3)" in m for m in messages)
+    assert any("in 20s (failure 2 of 3)" in m for m in messages)
+
+
+def test_a_job_larger_than_the_cluster_fails_with_what_the_cluster_has(
+    settings: Settings,
+) -> None:
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    job_id = _job(settings, tunefleet={"resources": {"num_workers": 2}})
+    ctl.tick()
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "failed"
+        assert job.error is not None and job.error["code"] == "does_not_fit_cluster"
+        assert "largest with 1 CPU" in job.error["message"]
+    assert twin.submitted == []

@@ -53,5 +53,11 @@ def record_checkpoint(
     return ckpt
 
 
-def record_message(session: Session, job_id: str, message: str, level: str = "info") -> None:
-    add_event(session, job_id, message, level=level)
+def record_message(
+    session: Session,
+    job_id: str,
+    message: str,
+    level: str = "info",
+    data: dict[str, Any] | None = None,
+) -> None:
+    add_event(session, job_id, message, level=level, data=data)

@@ -153,8 +153,12 @@ def plan(snapshot: Snapshot, now: float) -> list[Decision]:
     waiting: list[tuple[QueuedJob, str]] = []
     eligible: list[QueuedJob] = []
     empty = {n.id: [n.cpus, n.gpus] for n in snapshot.nodes}
+    fits_empty: dict[tuple[int, float, float], bool] = {}  # by gang shape
     for job in snapshot.queued:
-        if _place(job, {k: list(v) for k, v in empty.items()}) is None:
+        shape = (job.workers, job.cpus_per_worker, job.gpus_per_worker)
+        if shape not in fits_empty:
+            fits_empty[shape] = _place(job, {k: list(v) for k, v in empty.items()}) is not None
+        if not fits_empty[shape]:
             decisions.append(Reject(job.id, _never_fits(job, snapshot.nodes)))
         elif job.not_before is not None and job.not_before > now:
             waiting.append((job, f"retrying after a failed run in {job.not_before - now:.0f}s"))
@@ -220,21 +224,27 @@ def _quota_block(job: QueuedJob, tenants: dict[str, TenantQuota], state: _State)
 def _place(job: QueuedJob, free: dict[str, list[float]]) -> tuple[str, ...] | None:
     """Best-fit every worker of the gang onto ``free`` (changed in place only when the
     whole gang fits); None when some worker has nowhere to go."""
-    trial = {k: list(v) for k, v in free.items()}
+    taken: dict[str, int] = {}  # workers put on each node so far
     nodes: list[str] = []
+    c, g = job.cpus_per_worker, job.gpus_per_worker
     for _ in range(job.workers):
-        fits = [
-            (cpus - job.cpus_per_worker + gpus - job.gpus_per_worker, node_id)
-            for node_id, (cpus, gpus) in trial.items()
-            if cpus >= job.cpus_per_worker - 1e-9 and gpus >= job.gpus_per_worker - 1e-9
-        ]
-        if not fits:
+        best: tuple[float, str] | None = None
+        for node_id, (cpus, gpus) in free.items():
+            n = taken.get(node_id, 0)
+            left_c, left_g = cpus - (n + 1) * c, gpus - (n + 1) * g
+            if (
+                left_c >= -1e-9
+                and left_g >= -1e-9
+                and (best is None or (left_c + left_g, node_id) < best)
+            ):
+                best = (left_c + left_g, node_id)
+        if best is None:
             return None
-        node_id = min(fits)[1]
-        trial[node_id][0] -= job.cpus_per_worker
-        trial[node_id][1] -= job.gpus_per_worker
-        nodes.append(node_id)
-    free.update(trial)
+        taken[best[1]] = taken.get(best[1], 0) + 1
+        nodes.append(best[1])
+    for node_id, n in taken.items():
+        free[node_id][0] -= n * c
+        free[node_id][1] -= n * g
     return tuple(nodes)
 
 

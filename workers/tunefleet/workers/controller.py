@@ -111,10 +111,10 @@ class Controller:
                     if self.lease is None or self.lease.acquire():
                         if not leading:
                             leading = True
-                            log.info(
-                                "controller leads (term %s)", getattr(self.lease, "term", None)
-                            )
+                            term = self.lease.term if self.lease else None
+                            log.info("controller leads (term %s)", term)
                             self.serve_existing_adapters()
+                            self._reattach(term)
                         self.tick()
                     elif leading:
                         leading = False
@@ -125,6 +125,24 @@ class Controller:
         finally:
             if self.lease is not None:
                 self.lease.release()
+
+    def _reattach(self, term: int | None) -> None:
+        """On taking the lead, say on each running job that its run is followed again."""
+        with session_scope(self.db_url) as s:
+            running = list(
+                s.execute(
+                    select(Job.id, Job.ray_submission_id).where(Job.status == S.RUNNING.value)
+                )
+            )
+        for job_id, sid in running:
+            status = self.backend.run_status(sid).status if sid else NOT_FOUND
+            with session_scope(self.db_url) as s:
+                add_event(
+                    s,
+                    job_id,
+                    f"Controller (term {term}) re-attached to Ray job {sid} ({status})",
+                    data={"ray_submission_id": sid, "ray_status": status, "term": term},
+                )
 
     def tick(self) -> None:
         self._admit()

@@ -59,6 +59,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     is_chief = rank == 0
 
     # --- setup ----------------------------------------------------------------------
+    load_started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(config["model_path"])
     pad_id = (
         tokenizer.pad_token_id
@@ -69,6 +70,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     trainable, total = model.get_nb_trainable_parameters()
     model = ray.train.torch.prepare_model(model, parallel_strategy="ddp" if world > 1 else None)
     peft_model = model.module if hasattr(model, "module") else model
+    model_load_s = time.perf_counter() - load_started
 
     data = load_dataset(Path(config["train_path"]), tokenizer, spec.tunefleet.max_seq_len)
     if not data.examples:
@@ -113,6 +115,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 f"): {len(data.examples)} examples, {data.truncated} truncated to "
                 f"{spec.tunefleet.max_seq_len} tokens; "
                 f"{trainable:,} trainable of {total:,} parameters{resumed}",
+                data={"model_load_s": round(model_load_s, 3), "step": step},
             )
 
     def save_checkpoint(final: bool, metrics: dict[str, Any]) -> None:

@@ -1,0 +1,231 @@
+"""Controller benchmarks, two parts.
+
+1. Planning throughput: ``scheduler.plan`` over 1,000 queued jobs of 20 tenants on a
+   32-node cluster, against a baseline in the same run: plain FIFO by priority then age
+   with first-fit placement (no fairness, quotas or backfill), i.e. what the policy costs
+   on top of the simplest scheduler.
+2. Dispatch latency on a warm local Ray: time from job creation to its first training
+   step, less the model load the run reports, split into creation -> dispatched (the
+   controller's queueing and admission) and dispatched -> first step (Ray job start,
+   Ray Train workers, data). One warm-up job first, then ``--jobs`` measured one at a time.
+
+    .venv/bin/python bench/controller.py [--jobs 3] [--plans 20]
+Writes bench/results/controller.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from tunefleet.platform.scheduler import (  # noqa: E402
+    Dispatch,
+    Node,
+    QueuedJob,
+    Snapshot,
+    TenantQuota,
+    plan,
+)
+
+
+def fifo_first_fit(snapshot: Snapshot) -> list[Dispatch]:
+    """The baseline: priority then age, first node with room, nothing else."""
+    free = {n.id: list(n.free) for n in snapshot.nodes}
+    out = []
+    for job in sorted(snapshot.queued, key=lambda j: (-j.priority, j.created_ns, j.id)):
+        placed = []
+        for _ in range(job.workers):
+            node = next(
+                (
+                    k
+                    for k, (c, g) in free.items()
+                    if c >= job.cpus_per_worker and g >= job.gpus_per_worker
+                ),
+                None,
+            )
+            if node is None:
+                break
+            free[node][0] -= job.cpus_per_worker
+            free[node][1] -= job.gpus_per_worker
+            placed.append(node)
+        if len(placed) == job.workers:
+            out.append(Dispatch(job.id, tuple(placed)))
+        else:
+            for node in placed:
+                free[node][0] += job.cpus_per_worker
+                free[node][1] += job.gpus_per_worker
+    return out
+
+
+def planning(plans: int) -> dict[str, Any]:
+    jobs = [
+        QueuedJob(
+            id=f"job-{i}",
+            tenant_id=f"tenant-{i % 20}",
+            created_ns=i * 1_000_000,
+            priority=(i * 7) % 3,
+            workers=1 + i % 4,
+            cpus_per_worker=4,
+            gpus_per_worker=1 + i % 2,
+        )
+        for i in range(1000)
+    ]
+    snapshot = Snapshot(
+        queued=jobs,
+        running=[],
+        tenants={f"tenant-{t}": TenantQuota(f"tenant-{t}", 8, 64) for t in range(20)},
+        nodes=[Node(f"node-{n}", cpus=64, gpus=8) for n in range(32)],
+    )
+
+    def timed(fn: Any) -> tuple[float, Any]:
+        times, result = [], None
+        for _ in range(plans):
+            t0 = time.perf_counter()
+            result = fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), result
+
+    policy_s, decisions = timed(lambda: plan(snapshot, 1e9))
+    baseline_s, baseline = timed(lambda: fifo_first_fit(snapshot))
+    started = [d for d in decisions if isinstance(d, Dispatch)]
+    tenant_of = {j.id: j.tenant_id for j in jobs}
+    return {
+        "queued_jobs": len(jobs),
+        "tenants": 20,
+        "nodes": 32,
+        "policy_ms_per_plan": round(1000 * policy_s, 2),
+        "policy_plans_per_s": round(1 / policy_s, 1),
+        "baseline_fifo_ms_per_plan": round(1000 * baseline_s, 2),
+        "policy_over_baseline": round(policy_s / baseline_s, 2),
+        "dispatched_policy": len(started),
+        "dispatched_baseline": len(baseline),
+        "tenants_started_policy": len({tenant_of[d.job_id] for d in started}),
+        "tenants_started_baseline": len({tenant_of[d.job_id] for d in baseline}),
+    }
+
+
+def dispatch_latency(n_jobs: int) -> dict[str, Any]:
+    from sqlalchemy import select
+
+    from tinyllm import build_tiny_llama
+    from tunefleet.platform.db import File, Job, JobEvent, session_scope
+    from tunefleet.platform.db.migrate import upgrade
+    from tunefleet.platform.jobs import JobCreateRequest, create_job
+    from tunefleet.platform.models import ModelRegistry
+    from tunefleet.platform.settings import Settings
+    from tunefleet.platform.tenants import authenticate, create_key, create_tenant
+    from tunefleet.workers.backend import RayBackend
+    from tunefleet.workers.controller import Controller
+
+    data = Path(tempfile.mkdtemp(prefix="bench-controller-"))
+    build_tiny_llama(data / "models" / "tiny-llama")
+    settings = Settings(data_dir=data, ray_num_cpus=2, controller_interval_s=0.05)
+    url = settings.resolved_database_url
+    upgrade(url)
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    from tunefleet.platform.artifacts import ArtifactStore
+
+    store = ArtifactStore(settings.resolved_artifact_root)
+    store.write_bytes(store.file_key("file-bench"), (json.dumps(chat) + "\n").encode() * 4)
+    with session_scope(url) as s:
+        tenant = create_tenant(s, "bench")
+        key = create_key(s, tenant.id)[1]
+        s.add(
+            File(
+                id="file-bench", tenant_id=tenant.id, filename="t.jsonl", purpose="fine-tune",
+                bytes=1, status="processed", format="chat", stats={}, path="files/file-bench",
+            )
+        )  # fmt: skip
+    backend = RayBackend(settings)
+    backend.connect()
+    stop = threading.Event()
+    controller = Controller(settings, backend)
+    thread = threading.Thread(target=controller.run_forever, args=(stop,), daemon=True)
+    thread.start()
+    registry = ModelRegistry(settings.resolved_model_registry)
+    rows = []
+    try:
+        for i in range(n_jobs + 1):
+            with session_scope(url) as s:
+                principal = authenticate(s, f"Bearer {key}")
+                req = JobCreateRequest.model_validate(
+                    {"model": "tiny-llama", "training_file": "file-bench", "seed": i,
+                     "tunefleet": {"max_steps": 2}}
+                )  # fmt: skip
+                created = time.time()
+                job_id = create_job(s, principal, req, registry).id
+            dispatched = first_step = None
+            load_s = None
+            while first_step is None or dispatched is None:
+                with session_scope(url) as s:
+                    for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id)):
+                        if dispatched is None and e.message.startswith("Dispatched"):
+                            dispatched = time.time()
+                        if e.data and "model_load_s" in e.data:
+                            load_s = e.data["model_load_s"]
+                        if first_step is None and e.type == "metrics":
+                            first_step = time.time()
+                    status = s.scalar(select(Job.status).where(Job.id == job_id))
+                assert status not in ("failed", "cancelled"), status
+                time.sleep(0.02)
+            while status not in ("succeeded",):
+                time.sleep(0.2)
+                with session_scope(url) as s:
+                    status = s.scalar(select(Job.status).where(Job.id == job_id))
+                assert status not in ("failed", "cancelled"), status
+            if i == 0:
+                continue  # warm-up: Ray's first job pays for worker start-up and imports
+            assert load_s is not None
+            rows.append(
+                {
+                    "created_to_dispatched_s": round(dispatched - created, 3),
+                    "dispatched_to_first_step_s": round(first_step - dispatched, 3),
+                    "model_load_s": load_s,
+                    "created_to_first_step_less_load_s": round(first_step - created - load_s, 3),
+                }
+            )
+    finally:
+        stop.set()
+        thread.join(30)
+        backend.shutdown()
+    return {
+        "jobs": rows,
+        "median_created_to_first_step_less_load_s": statistics.median(
+            r["created_to_first_step_less_load_s"] for r in rows
+        ),
+        "median_created_to_dispatched_s": statistics.median(
+            r["created_to_dispatched_s"] for r in rows
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=3)
+    parser.add_argument("--plans", type=int, default=20)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = {
+        "benchmark": "controller",
+        "machine": f"{os.cpu_count()} CPUs",
+        "planning": planning(args.plans),
+        "dispatch": dispatch_latency(args.jobs),
+    }
+    dest = ROOT / "bench" / "results" / "controller.json"
+    dest.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
