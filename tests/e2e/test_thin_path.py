@@ -213,6 +213,35 @@ def test_upload_train_serve(stack: dict[str, Any]) -> None:
     other = chat(job["fine_tuned_model"], key=stack["keys"]["globex"])
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
 
+    # the official SDK streams the same answer as server-sent events, usage last
+    from openai import OpenAI
+
+    sdk = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["keys"]["acme"])
+    chunks = list(
+        sdk.chat.completions.create(
+            model=job["fine_tuned_model"],
+            messages=[{"role": "user", "content": "what is a banana"}],
+            temperature=0,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip() == ANSWER
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == out["usage"]["completion_tokens"]
+
+    # /v1/completions with n choices and a stop string
+    done = sdk.completions.create(
+        model=job["fine_tuned_model"], prompt="an apple is", max_tokens=6, n=2, temperature=0
+    )
+    assert [c.index for c in done.choices] == [0, 1]
+    assert done.choices[0].text == done.choices[1].text  # greedy: the same twice
+    assert done.usage is not None and done.usage.completion_tokens > 0
+
 
 def _wait(client: httpx.Client, job_id: str, pred: Any, what: str, timeout: float = 300) -> Any:
     deadline = time.monotonic() + timeout

@@ -4,6 +4,8 @@ Adapters load on demand from the artifact store through ``serve.multiplexed`` (s
 routes a request to a replica that already holds its adapter) and are evicted LRU.
 Requests name their adapter with the ``serve_multiplexed_model_id`` header (the TuneFleet
 API sets it after checking the caller may use that model); no header means the bare base.
+OpenAI's ``/v1/chat/completions`` and ``/v1/completions``, whole or streamed as
+server-sent events (``data: {...}`` chunks, then ``data: [DONE]``).
 
 Glossary: *adapter id* is the job id that produced the adapter (its artifact key);
 *model* is the name the client sent, echoed back in the response.
@@ -12,22 +14,24 @@ Glossary: *adapter id* is the job id that produced the adapter (its artifact key
 # No `from __future__ import annotations` here: Serve's class-based ingress resolves the
 # route signatures at run time and would take a string `Request` for a query parameter.
 import asyncio
+import json
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tunefleet.platform.artifacts import ArtifactStore
+from tunefleet.workers.serve.generate import Finished, Sampling, decode
 
-BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
 MAX_ADAPTERS_PER_REPLICA = 64
 
 
@@ -41,16 +45,41 @@ class ChatMessage(BaseModel):
     content: str | None = None
 
 
-class ChatRequest(BaseModel):
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=4096)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=4096)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=16)
     seed: int | None = None
     stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling(self, max_tokens: int, choice: int) -> Sampling:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return Sampling(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            # each of n choices draws its own sample, reproducibly when seeded
+            seed=None if self.seed is None else self.seed + choice,
+            stop=tuple(s for s in stops[:4] if s),
+        )
+
+
+class ChatRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=4096)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str]
 
 
 class _LoadedAdapter:
@@ -102,56 +131,28 @@ class LoraServer:
             if adapter_id in getattr(self.model, "peft_config", {}):
                 self.model.delete_adapter(adapter_id)
 
-    def _generate(self, req: ChatRequest, adapter_id: str) -> dict[str, Any]:
-        messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
-        enc: Any = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        max_new = req.max_completion_tokens or req.max_tokens or 256
-        greedy = req.temperature == 0
-        if req.seed is not None:
-            torch.manual_seed(req.seed)
-        kwargs: dict[str, Any] = {
-            "max_new_tokens": max_new,
-            "do_sample": not greedy,
-            "pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
-        }
-        if not greedy:
-            kwargs.update(temperature=req.temperature, top_p=req.top_p)
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        with self._lock, torch.inference_mode():
-            if hasattr(self.model, "peft_config"):
-                kwargs["adapter_names"] = [adapter_id or BASE]
-            out = self.model.generate(**enc, **kwargs)
-        new_ids = out[0, enc["input_ids"].shape[1] :]
-        text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
-        finish = "length" if len(new_ids) >= max_new else "stop"
-        for stop in stops:
-            if stop and stop in text:
-                text, finish = text[: text.index(stop)], "stop"
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": req.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish,
-                    "logprobs": None,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": int(enc["input_ids"].shape[1]),
-                "completion_tokens": len(new_ids),
-                "total_tokens": int(enc["input_ids"].shape[1]) + len(new_ids),
-            },
-        }
-
+    # -- OpenAI endpoints ----------------------------------------------------------------
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> JSONResponse:
+    async def chat_completions(self, request: Request) -> Any:
         req = ChatRequest.model_validate(await request.json())
+        messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+        ids: Any = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        prompts = [list(ids["input_ids"])]
+        max_new = req.max_completion_tokens or req.max_tokens or 256
+        return await self._respond(req, prompts, max_new, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Any:
+        req = CompletionRequest.model_validate(await request.json())
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        prompts = [list(self.tokenizer(t)["input_ids"]) for t in texts]
+        return await self._respond(req, prompts, req.max_tokens or 16, chat=False)
+
+    async def _respond(
+        self, req: _GenerationRequest, prompts: list[list[int]], max_new: int, *, chat: bool
+    ) -> Any:
         adapter_id = serve.get_multiplexed_model_id()
         if adapter_id:
             if not self.store.exists(self.store.adapter_key(adapter_id)):
@@ -167,11 +168,103 @@ class LoraServer:
                     },
                 )
             await self.get_adapter(adapter_id)
-        return JSONResponse(await asyncio.to_thread(self._generate, req, adapter_id))
+        # one choice per prompt and sample: index = prompt * n + sample, as OpenAI numbers them
+        jobs = [(p, req.sampling(max_new, k)) for p in prompts for k in range(req.n)]
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": req.model,
+        }
+        if req.stream:
+            events = self._stream(req, jobs, adapter_id, head, chat=chat)
+            return StreamingResponse(events, media_type="text/event-stream")
+        done = await asyncio.to_thread(lambda: [self._finish(p, s, adapter_id) for p, s in jobs])
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": f.text}}
+            if chat
+            else {"index": i, "text": f.text}
+            for i, f in enumerate(done)
+        ]
+        for choice, f in zip(choices, done, strict=True):
+            choice.update(finish_reason=f.finish_reason, logprobs=None)
+        return JSONResponse(
+            {
+                **head,
+                "object": "chat.completion" if chat else "text_completion",
+                "choices": choices,
+                "usage": _usage(done, prompts),
+            }
+        )
+
+    def _finish(self, prompt: list[int], sampling: Sampling, adapter_id: str) -> Finished:
+        for item in decode(
+            self.model, self.tokenizer, prompt, sampling, adapter_id=adapter_id, lock=self._lock
+        ):
+            if isinstance(item, Finished):
+                return item
+        raise AssertionError("decode ends with Finished")
+
+    def _stream(
+        self,
+        req: _GenerationRequest,
+        jobs: list[tuple[list[int], Sampling]],
+        adapter_id: str,
+        head: dict[str, Any],
+        *,
+        chat: bool,
+    ) -> Iterator[str]:
+        """Server-sent events; Starlette runs this generator in its thread pool."""
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+            chunk = {**head, "object": obj, "choices": choices, **extra}
+            if usage and "usage" not in extra:
+                chunk["usage"] = None
+            return f"data: {json.dumps(chunk)}\n\n"
+
+        def choice(i: int, delta: str | None, finish: str | None) -> dict[str, Any]:
+            if chat:
+                body: dict[str, Any] = {"delta": {} if delta is None else {"content": delta}}
+            else:
+                body = {"text": delta or ""}
+            return {"index": i, **body, "logprobs": None, "finish_reason": finish}
+
+        done: list[Finished] = []
+        for i, (prompt, sampling) in enumerate(jobs):
+            if chat:
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}}
+                yield event([{**first, "logprobs": None, "finish_reason": None}])
+            for item in decode(
+                self.model,
+                self.tokenizer,
+                prompt,
+                sampling,
+                adapter_id=adapter_id,
+                lock=self._lock,
+            ):
+                if isinstance(item, Finished):
+                    done.append(item)
+                    yield event([choice(i, None, item.finish_reason)])
+                else:
+                    yield event([choice(i, item, None)])
+        if usage:
+            yield event([], usage=_usage(done, [p for p, _ in jobs[:: req.n]]))
+        yield "data: [DONE]\n\n"
 
     @app.get("/healthz")
     async def healthz(self) -> dict[str, str]:
         return {"status": "ok", "base_model": self.base_model}
+
+
+def _usage(done: list[Finished], prompts: list[list[int]]) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(f.completion_tokens for f in done)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def build_app(*, base_model: str, model_path: str, artifact_root: str) -> Any:
