@@ -62,6 +62,7 @@ ROUTES = [
         "/v1/chat/completions",
         {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]},
     ),
+    ("POST", "/v1/completions", {"model": "{model}", "prompt": "hi", "stream": True}),
 ]
 
 

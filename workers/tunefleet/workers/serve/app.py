@@ -82,6 +82,18 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str]
 
 
+# Module-level helpers the deployment uses sit above it: Serve's class-based ingress
+# serializes the class when it is decorated, with the globals defined by then.
+def _usage(done: list[Finished], prompts: list[list[int]]) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(f.completion_tokens for f in done)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
 class _LoadedAdapter:
     """Handle Serve's multiplexer keeps per adapter; eviction unloads it from the model."""
 
@@ -255,16 +267,6 @@ class LoraServer:
     @app.get("/healthz")
     async def healthz(self) -> dict[str, str]:
         return {"status": "ok", "base_model": self.base_model}
-
-
-def _usage(done: list[Finished], prompts: list[list[int]]) -> dict[str, int]:
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(f.completion_tokens for f in done)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
 
 
 def build_app(*, base_model: str, model_path: str, artifact_root: str) -> Any:
