@@ -72,18 +72,33 @@ class RayBackend:
         log.info("Ray Jobs API at %s", dashboard)
 
     def nodes(self) -> list[Node]:
-        """The cluster's live nodes with their total CPUs and GPUs."""
+        """The cluster's live nodes: total CPUs and GPUs, and what Ray has free on each now
+        (anything else running on the cluster included)."""
         import ray
 
-        return [
-            Node(
-                str(n["NodeID"]),
-                float(n["Resources"].get("CPU", 0.0)),
-                float(n["Resources"].get("GPU", 0.0)),
+        try:  # the per-node view ray.util.tpu uses too; Ray has no public one
+            from ray._private.state import available_resources_per_node
+
+            available: dict[str, dict[str, float]] = available_resources_per_node()
+        except Exception:  # an older or newer Ray without it: plan on totals alone
+            log.warning("Ray's free resources per node are not available", exc_info=True)
+            available = {}
+        nodes = []
+        for n in ray.nodes():
+            if not n.get("Alive"):
+                continue
+            node_id, total = str(n["NodeID"]), n["Resources"]
+            free = available.get(node_id)
+            nodes.append(
+                Node(
+                    node_id,
+                    float(total.get("CPU", 0.0)),
+                    float(total.get("GPU", 0.0)),
+                    free_cpus=None if free is None else float(free.get("CPU", 0.0)),
+                    free_gpus=None if free is None else float(free.get("GPU", 0.0)),
+                )
             )
-            for n in ray.nodes()
-            if n.get("Alive")
-        ]
+        return nodes
 
     # -- runs (Ray Jobs API) -----------------------------------------------------------
     def submit_run(self, submission_id: str, job_id: str, env: dict[str, str]) -> None:

@@ -261,8 +261,10 @@ class Controller:
             self._submit(job_id, sid)
 
     def _snapshot(self, s: Session, queued: list[Job]) -> Snapshot:
-        """The policy's view: queued and running jobs, quotas, and each Ray node's capacity
-        less what TuneFleet's running jobs were placed on."""
+        """The policy's view: queued and running jobs, quotas, and each Ray node's free
+        capacity: the smaller of its total less what TuneFleet's running jobs were placed
+        on (runs just dispatched that Ray has not yet started count) and what Ray reports
+        free (work outside TuneFleet counts)."""
         nodes = self.backend.nodes()
         held: dict[str, list[float]] = {n.id: [0.0, 0.0] for n in nodes}
         running: list[RunningJob] = []
@@ -294,8 +296,8 @@ class Controller:
                     n.id,
                     n.cpus,
                     n.gpus,
-                    free_cpus=max(0.0, n.cpus - held[n.id][0]),
-                    free_gpus=max(0.0, n.gpus - held[n.id][1]),
+                    free_cpus=max(0.0, min(n.cpus - held[n.id][0], n.free[0])),
+                    free_gpus=max(0.0, min(n.gpus - held[n.id][1], n.free[1])),
                 )
                 for n in nodes
             ],
