@@ -1,11 +1,13 @@
 """API load: 32 concurrent clients creating and listing fine-tuning jobs against a real
 server (uvicorn, --workers, default 2), on SQLite and then PostgreSQL.
 
-Two phases per backend. Closed loop: 32 clients each send their next request as soon as
-the last one answers; this gives the most creations per second the server sustains
-(latency there is set by Little's law: 32 in flight / throughput). Open loop: 32
-connections offer a fixed 300 creations/s on a schedule, and latency is measured from each
-request's scheduled time (no coordinated omission); this is the latency at the target rate.
+Three phases per backend. Closed loop: 32 clients each create jobs and list after every
+fifth, sending their next request as soon as the last one answers; this gives the most
+creations per second the server sustains (latency there is set by Little's law: 32 in
+flight / throughput). Open loop: 32 connections offer a fixed 300 creations/s and 60
+lists/s on a schedule, and latency is measured from each request's scheduled time (no
+coordinated omission); this is the latency at the target rate. Then the same offered
+creations without the lists.
 Afterwards the database must hold every job exactly once (each create carries a unique
 Idempotency-Key and metadata naming its client and sequence number).
 Target on the 2-core reference machine: >= 300 creations/s on PostgreSQL, p99 < 100 ms.
@@ -88,11 +90,19 @@ async def client_loop(
 
 
 async def offered_load(
-    base: str, keys: list[str], files: list[str], clients: int, rate: float, duration_s: float
+    base: str,
+    keys: list[str],
+    files: list[str],
+    clients: int,
+    rate: float,
+    duration_s: float,
+    *,
+    lists: bool,
+    tag: str,
 ) -> dict[str, Any]:
     """Creates offered at ``rate`` per second on a fixed schedule over ``clients``
-    connections, with one list of jobs per five creates (the closed loop's mix); each
-    latency counts from the request's scheduled start."""
+    connections, with (``lists``) one list of jobs per five creates, the closed loop's mix;
+    each latency counts from the request's scheduled start."""
     n = int(rate * duration_s)
     latencies: list[float] = []
     list_latencies: list[float] = []
@@ -108,9 +118,9 @@ async def offered_load(
             body = {
                 "model": "tiny-llama",
                 "training_file": file_id,
-                "metadata": {"client": f"open-{i % clients}", "seq": str(i)},
+                "metadata": {"client": f"{tag}-{i % clients}", "seq": str(i)},
             }
-            headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": f"open-{i}"}
+            headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": f"{tag}-{i}"}
             async with http.post("/v1/fine_tuning/jobs", json=body, headers=headers) as resp:
                 await resp.read()
             latencies.append(time.perf_counter() - due)
@@ -127,17 +137,20 @@ async def offered_load(
             if resp.status != 200:
                 errors.append(f"list {resp.status}")
 
-        await asyncio.gather(*[create(i) for i in range(n)], *[list_jobs(j) for j in range(n // 5)])
+        n_lists = n // 5 if lists else 0
+        await asyncio.gather(
+            *[create(i) for i in range(n)], *[list_jobs(j) for j in range(n_lists)]
+        )
         wall = time.perf_counter() - start
     return {
         "offered_per_s": rate,
-        "offered_lists_per_s": rate / 5,
+        "offered_lists_per_s": rate / 5 if lists else 0,
         "achieved_per_s": round(n / wall, 1),
         "creates": n,
         "p50_ms": round(1000 * statistics.median(latencies), 1),
         "p99_ms": round(1000 * percentile(latencies, 0.99), 1),
-        "list_p50_ms": round(1000 * statistics.median(list_latencies), 1),
-        "list_p99_ms": round(1000 * percentile(list_latencies, 0.99), 1),
+        "list_p50_ms": round(1000 * statistics.median(list_latencies), 1) if lists else None,
+        "list_p99_ms": round(1000 * percentile(list_latencies, 0.99), 1) if lists else None,
         "errors": errors[:5],
     }
 
@@ -240,7 +253,12 @@ def run_backend(
                 stderr=subprocess.DEVNULL,
             )
         wall = asyncio.run(main())
-        open_loop = asyncio.run(offered_load(base, keys, files, clients, rate, duration_s))
+        open_loop = asyncio.run(
+            offered_load(base, keys, files, clients, rate, duration_s, lists=True, tag="open")
+        )
+        creates_only = asyncio.run(
+            offered_load(base, keys, files, clients, rate, duration_s, lists=False, tag="only")
+        )
         # Count what reached the database (the source of truth), not what the API says.
         from sqlalchemy import select
 
@@ -252,7 +270,7 @@ def run_backend(
         for meta in jobs:
             k = (meta["client"], meta["seq"])
             seen[k] = seen.get(k, 0) + 1
-        expected = clients * per_client + open_loop["creates"]
+        expected = clients * per_client + open_loop["creates"] + creates_only["creates"]
         return {
             "backend": kind,
             "api_workers": workers,
@@ -268,6 +286,7 @@ def run_backend(
                 "errors": errors[:5],
             },
             "open_loop": open_loop,
+            "open_loop_creates_only": creates_only,
             "jobs_stored": len(jobs),
             "lost": expected - len(seen),
             "duplicated": sum(v - 1 for v in seen.values()),
@@ -299,12 +318,17 @@ def main() -> None:
         "machine": f"{os.cpu_count()} CPUs",
         "results": results,
         "target": {"creates_per_s": 300, "create_p99_ms": 100, "backend": "postgresql"},
+        # Read with the lists the clients also make: 300 creates/s sustained (closed loop)
+        # and p99 < 100 ms when 300 creates/s (+ 60 lists/s) are offered (open loop).
         "target_met": pg["closed_loop"]["creates_per_s"] >= 300 and pg["open_loop"]["p99_ms"] < 100,
+        "creates_only_target_met": pg["open_loop_creates_only"]["achieved_per_s"] >= 297
+        and pg["open_loop_creates_only"]["p99_ms"] < 100,
         "integrity_ok": all(
             r["lost"] == 0
             and r["duplicated"] == 0
             and not r["closed_loop"]["errors"]
             and not r["open_loop"]["errors"]
+            and not r["open_loop_creates_only"]["errors"]
             for r in results
         ),
     }
