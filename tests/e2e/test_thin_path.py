@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -53,6 +54,7 @@ def stack(
         "TUNEFLEET_SERVE_PORT": str(_free_port()),
         "TUNEFLEET_RAY_DASHBOARD_PORT": str(_free_port()),
         "TUNEFLEET_RAY_NUM_CPUS": "4",
+        "TUNEFLEET_RAY_METRICS_PORT": str(_free_port()),
         "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
     }
     cli = [sys.executable, "-m", "tunefleet.cli.main"]
@@ -86,7 +88,13 @@ def stack(
                 text=True,
             )
             keys[tenant] = json.loads(out.stdout.strip().splitlines()[-1])["api_key"]
-        yield {"url": url, "keys": keys, "data": data, "log": data / "up.log"}
+        yield {
+            "url": url,
+            "keys": keys,
+            "data": data,
+            "log": data / "up.log",
+            "metrics": f"http://127.0.0.1:{env['TUNEFLEET_RAY_METRICS_PORT']}/metrics",
+        }
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -234,6 +242,19 @@ def test_upload_train_serve(stack: dict[str, Any]) -> None:
     assert finishes[-1] == out["choices"][0]["finish_reason"] and set(finishes[:-1]) == {None}
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == out["usage"]["completion_tokens"]
+
+    # per-adapter serving metrics reach Ray's Prometheus endpoint (exported every ~10 s)
+    deadline = time.monotonic() + 60
+    wanted = re.compile(
+        r'tunefleet_adapter_requests(?:_total)?\{[^}]*adapter="' + job["id"] + r'"[^}]*\} (\d+)'
+    )
+    while not (m := wanted.search(httpx.get(stack["metrics"], timeout=10).text)):
+        assert time.monotonic() < deadline, "no per-adapter request count in Ray's metrics"
+        time.sleep(2)
+    assert int(m.group(1)) >= 1
+    text = httpx.get(stack["metrics"], timeout=10).text
+    assert re.search(r'tunefleet_adapter_loads(?:_total)?\{[^}]*adapter="' + job["id"], text)
+    assert "tunefleet_adapter_generated_tokens" in text
 
     # /v1/completions with n choices and a stop string
     done = sdk.completions.create(

@@ -47,6 +47,11 @@ class Settings(BaseSettings):
     ray_dashboard_port: int = Field(
         default=8265, description="Dashboard (Jobs API) port of a locally started Ray."
     )
+    ray_metrics_port: int | None = Field(
+        default=None,
+        description="Prometheus metrics port of a locally started Ray, where serving's "
+        "per-adapter metrics appear (None: Ray picks one).",
+    )
     ray_num_cpus: int | None = Field(
         default=None, description="Logical CPUs of a locally started Ray (None: Ray's own count)."
     )

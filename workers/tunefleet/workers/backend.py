@@ -56,7 +56,11 @@ class RayBackend:
             ray.init(address=self.settings.ray_address, log_to_driver=False)
             dashboard = self.settings.ray_dashboard_url or _dashboard_of(ray)
         else:
+            metrics: dict[str, Any] = {}
+            if self.settings.ray_metrics_port is not None:
+                metrics["_metrics_export_port"] = self.settings.ray_metrics_port
             info = ray.init(
+                **metrics,
                 num_cpus=self.settings.ray_num_cpus,
                 include_dashboard=True,
                 dashboard_host="127.0.0.1",

@@ -119,11 +119,35 @@ class LoraServer:
         self.model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.model.eval()
         self._lock = threading.Lock()  # generate and load/unload change shared modules
+        # Per-adapter metrics through Ray's metrics agent (Prometheus on each node's
+        # metrics export port); Serve adds the deployment, replica and application tags.
+        from ray.serve import metrics
+
+        per_adapter = ("adapter",)
+        self.m_requests = metrics.Counter(
+            "tunefleet_adapter_requests", "Requests per adapter.", tag_keys=per_adapter
+        )
+        self.m_tokens = metrics.Counter(
+            "tunefleet_adapter_generated_tokens", "Tokens generated.", tag_keys=per_adapter
+        )
+        self.m_latency = metrics.Histogram(
+            "tunefleet_adapter_request_seconds",
+            "Time from request to last token.",
+            boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60],
+            tag_keys=per_adapter,
+        )
+        self.m_loads = metrics.Counter(
+            "tunefleet_adapter_loads", "Adapters loaded into this replica.", tag_keys=per_adapter
+        )
+        self.m_evictions = metrics.Counter(
+            "tunefleet_adapter_evictions", "Adapters evicted (LRU).", tag_keys=per_adapter
+        )
 
     @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
     async def get_adapter(self, adapter_id: str) -> _LoadedAdapter:
         path = self.store.path(self.store.adapter_key(adapter_id))
         await asyncio.to_thread(self._attach, adapter_id, path)
+        self.m_loads.inc(tags={"adapter": adapter_id})
         return _LoadedAdapter(self, adapter_id)
 
     def _attach(self, adapter_id: str, path: Path) -> None:
@@ -142,6 +166,7 @@ class LoraServer:
         with self._lock:
             if adapter_id in getattr(self.model, "peft_config", {}):
                 self.model.delete_adapter(adapter_id)
+                self.m_evictions.inc(tags={"adapter": adapter_id})
 
     # -- OpenAI endpoints ----------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -181,6 +206,7 @@ class LoraServer:
                 )
             await self.get_adapter(adapter_id)
         # one choice per prompt and sample: index = prompt * n + sample, as OpenAI numbers them
+        started = time.perf_counter()
         jobs = [(p, req.sampling(max_new, k)) for p in prompts for k in range(req.n)]
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -188,9 +214,10 @@ class LoraServer:
             "model": req.model,
         }
         if req.stream:
-            events = self._stream(req, jobs, adapter_id, head, chat=chat)
+            events = self._stream(req, jobs, adapter_id, head, started, chat=chat)
             return StreamingResponse(events, media_type="text/event-stream")
         done = await asyncio.to_thread(lambda: [self._finish(p, s, adapter_id) for p, s in jobs])
+        self._record(adapter_id, done, started)
         choices = [
             {"index": i, "message": {"role": "assistant", "content": f.text}}
             if chat
@@ -208,6 +235,14 @@ class LoraServer:
             }
         )
 
+    def _record(self, adapter_id: str, done: list[Finished], started: float) -> None:
+        tags = {"adapter": adapter_id or "base"}
+        self.m_requests.inc(tags=tags)
+        tokens = sum(f.completion_tokens for f in done)
+        if tokens:
+            self.m_tokens.inc(tokens, tags=tags)
+        self.m_latency.observe(time.perf_counter() - started, tags=tags)
+
     def _finish(self, prompt: list[int], sampling: Sampling, adapter_id: str) -> Finished:
         for item in decode(
             self.model, self.tokenizer, prompt, sampling, adapter_id=adapter_id, lock=self._lock
@@ -222,6 +257,7 @@ class LoraServer:
         jobs: list[tuple[list[int], Sampling]],
         adapter_id: str,
         head: dict[str, Any],
+        started: float,
         *,
         chat: bool,
     ) -> Iterator[str]:
@@ -260,6 +296,7 @@ class LoraServer:
                     yield event([choice(i, None, item.finish_reason)])
                 else:
                     yield event([choice(i, item, None)])
+        self._record(adapter_id, done, started)
         if usage:
             yield event([], usage=_usage(done, [p for p, _ in jobs[:: req.n]]))
         yield "data: [DONE]\n\n"
