@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -319,10 +320,44 @@ def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_can
     ckpts = client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
     assert ckpts[0]["step_number"] == paused_at
 
+    # hot swap: acme's adapter keeps serving while this job finishes; then this job's
+    # adapter answers too, with no restart of the serving application
+    acme = httpx.Client(
+        base_url=stack["url"],
+        timeout=300,
+        headers={"Authorization": f"Bearer {stack['keys']['acme']}"},
+    )
+    acme_model = next(
+        m["id"] for m in acme.get("/v1/models").json()["data"] if m["id"].startswith("ft:")
+    )
+    served: list[int] = []
+    done = threading.Event()
+
+    def traffic() -> None:
+        while not done.is_set():
+            body = {"model": acme_model, "max_tokens": 24, "temperature": 0}
+            body["messages"] = [{"role": "user", "content": "name a color"}]
+            served.append(acme.post("/v1/chat/completions", json=body).status_code)
+
+    background = threading.Thread(target=traffic, daemon=True)
+    background.start()
     assert client.post(f"/v1/fine_tuning/jobs/{job['id']}/resume").json()["status"] == "queued"
     job, events = _wait(
         client, job["id"], lambda j, ev: j["status"] == "succeeded", "the resumed job to finish"
     )
+    new_answer = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": job["fine_tuned_model"],
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    )
+    done.set()
+    background.join(120)
+    assert new_answer.status_code == 200, new_answer.text
+    assert served and set(served) == {200}, served  # in-flight requests all completed
+    assert stack["log"].read_text().count("Application 'tunefleet-tiny-llama' is ready") == 1
     steps = _steps(events)
     assert steps == list(range(1, 61)), "resumed at the checkpoint step, none done twice"
     assert any(f"resumed at step {paused_at}" in e["message"] for e in events)
