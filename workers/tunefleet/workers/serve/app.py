@@ -30,7 +30,7 @@ from ray import serve
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tunefleet.platform.artifacts import ArtifactStore
-from tunefleet.workers.serve.generate import Finished, Sampling, decode
+from tunefleet.workers.serve.generate import Finished, Sampling, complete, decode
 
 MAX_ADAPTERS_PER_REPLICA = 64
 
@@ -216,7 +216,12 @@ class LoraServer:
         if req.stream:
             events = self._stream(req, jobs, adapter_id, head, started, chat=chat)
             return StreamingResponse(events, media_type="text/event-stream")
-        done = await asyncio.to_thread(lambda: [self._finish(p, s, adapter_id) for p, s in jobs])
+        done = await asyncio.to_thread(
+            lambda: [
+                complete(self.model, self.tokenizer, p, s, adapter_id=adapter_id, lock=self._lock)
+                for p, s in jobs
+            ]
+        )
         self._record(adapter_id, done, started)
         choices = [
             {"index": i, "message": {"role": "assistant", "content": f.text}}
@@ -242,14 +247,6 @@ class LoraServer:
         if tokens:
             self.m_tokens.inc(tokens, tags=tags)
         self.m_latency.observe(time.perf_counter() - started, tags=tags)
-
-    def _finish(self, prompt: list[int], sampling: Sampling, adapter_id: str) -> Finished:
-        for item in decode(
-            self.model, self.tokenizer, prompt, sampling, adapter_id=adapter_id, lock=self._lock
-        ):
-            if isinstance(item, Finished):
-                return item
-        raise AssertionError("decode ends with Finished")
 
     def _stream(
         self,
