@@ -35,8 +35,12 @@ class TwinBackend:
         self.status: dict[str, str] = {}
         self.on_status: Any = None
         self.deployed: list[str] = []
+        self.refuse_submits = 0  # the next n submits fail as Ray's Jobs API can
 
     def submit_run(self, sid: str, job_id: str, env: dict[str, str]) -> None:
+        if self.refuse_submits:
+            self.refuse_submits -= 1
+            raise RuntimeError("No available agent to submit job, please try again later.")
         self.submitted.append(sid)
         self.status[sid] = "RUNNING"
 
@@ -170,3 +174,39 @@ def test_a_job_larger_than_the_cluster_fails_with_what_the_cluster_has(
         assert job.error is not None and job.error["code"] == "does_not_fit_cluster"
         assert "largest with 1 CPU" in job.error["message"]
     assert twin.submitted == []
+
+
+def test_a_refused_submit_is_retried_after_a_backoff(settings: Settings) -> None:
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    url = settings.resolved_database_url
+    job_id = _job(settings)
+    twin.refuse_submits = 1  # Ray's job agent is not up yet
+    ctl.tick()
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "queued" and job.failures == 1
+        assert job.not_before is not None
+        job.not_before = 0
+    ctl.tick()
+    assert twin.submitted == [f"{job_id}-2"]  # the next attempt went through
+
+
+def test_a_submit_refused_every_time_fails_the_job(settings: Settings) -> None:
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    url = settings.resolved_database_url
+    other = _job(settings)
+    twin.refuse_submits = 100  # Ray keeps refusing
+    for _ in range(3):
+        ctl.tick()
+        with session_scope(url) as s:
+            job = s.get(Job, other)
+            assert job is not None
+            if job.status == "queued":
+                job.not_before = 0
+    with session_scope(url) as s:
+        job = s.get(Job, other)
+        assert job is not None and job.status == "failed" and job.failures == 3
+        assert job.error is not None and job.error["code"] == "dispatch_failed"
+        assert "No available agent" in job.error["message"]

@@ -344,28 +344,19 @@ class Controller:
             failpoint("dispatch.after_submit")
             with session_scope(self.db_url) as s:
                 add_event(s, job_id, f"Ray job {sid} submitted", data={"ray_submission_id": sid})
-        except Exception as exc:
-            with session_scope(self.db_url) as s:
-                transition(
-                    s,
-                    job_id,
-                    S.RUNNING,
-                    S.FAILED,
-                    f"Could not submit to Ray: {exc}",
-                    level="error",
-                    error={"code": "dispatch_failed", "message": str(exc)},
-                )
+        except Exception as exc:  # Ray's Jobs API can refuse for a while ("no agent")
+            log.warning("submitting %s of %s failed: %s", sid, job_id, exc)
+            with moved_on(job_id):
+                self._run_failed(job_id, sid, f"could not submit to Ray: {exc}", submitted=False)
 
     def _follow_running(self) -> None:
         with session_scope(self.db_url) as s:
             jobs = list(
                 s.execute(
-                    select(Job.id, Job.ray_submission_id, Job.failures).where(
-                        Job.status == S.RUNNING.value
-                    )
+                    select(Job.id, Job.ray_submission_id).where(Job.status == S.RUNNING.value)
                 )
             )
-        for job_id, sid, failures in jobs:
+        for job_id, sid in jobs:
             if sid is None:
                 continue
             info = self.backend.run_status(sid)
@@ -376,12 +367,31 @@ class Controller:
                 elif info.status == SUCCEEDED:
                     self._succeed(job_id)
                 elif info.status in (FAILED, STOPPED):
-                    if failures + 1 < MAX_RUN_FAILURES:
-                        self._retry(job_id, sid, failures + 1, info.message)
-                    else:
-                        self._fail(job_id, sid, info.message)
+                    self._run_failed(job_id, sid, info.message)
                 else:
                     failpoint("follow.running")
+
+    def _run_failed(self, job_id: str, sid: str, message: str, *, submitted: bool = True) -> None:
+        """A run failed, or could not even be submitted: retry it after a backoff while the
+        job has failed fewer than MAX_RUN_FAILURES times, else fail the job."""
+        with session_scope(self.db_url) as s:
+            failures = s.scalar(select(Job.failures).where(Job.id == job_id)) or 0
+        if failures + 1 < MAX_RUN_FAILURES:
+            self._retry(job_id, sid, failures + 1, message)
+        elif submitted:
+            self._fail(job_id, sid, message)
+        else:
+            with session_scope(self.db_url) as s:
+                transition(
+                    s,
+                    job_id,
+                    S.RUNNING,
+                    S.FAILED,
+                    f"Job failed: {message}",
+                    level="error",
+                    error={"code": "dispatch_failed", "message": message, "param": None},
+                    failures=failures + 1,
+                )
 
     def _retry(self, job_id: str, sid: str, failures: int, message: str) -> None:
         """Requeue a job whose run failed, to start again after a backoff; the next run
