@@ -52,6 +52,12 @@ def ray_cluster() -> Iterator[dict[str, str]]:
             *("--node-ip-address", "127.0.0.1", "--port", str(port)),
             *("--include-dashboard", "true", "--dashboard-host", "127.0.0.1"),
             *("--dashboard-port", str(dash)),
+            # its own agent ports too: a default one held by another Ray on this machine
+            # leaves the Jobs API answering "no available agent" for good
+            *("--dashboard-agent-listen-port", str(_free_port())),
+            *("--dashboard-agent-grpc-port", str(_free_port())),
+            *("--metrics-export-port", str(_free_port())),
+            *("--runtime-env-agent-port", str(_free_port())),
         ],
         check=True,
         capture_output=True,
