@@ -91,3 +91,26 @@ def make_tenant(url: str, name: str) -> str:
     with session_scope(url) as s:
         tenant = create_tenant(s, name)
         return create_key(s, tenant.id)[1]
+
+
+def add_chat_file(session: Any, store: Any, tenant_id: str, file_id: str, copies: int) -> str:
+    """A processed training file of ``copies`` copies of CHAT for ``tenant_id``, written to
+    the artifact store and recorded (what a validated upload leaves); returns its id."""
+    from tunefleet.platform.db import File
+
+    store.write_bytes(store.file_key(file_id), (json.dumps(CHAT) + "\n").encode() * copies)
+    session.add(
+        File(
+            id=file_id,
+            tenant_id=tenant_id,
+            filename="t.jsonl",
+            purpose="fine-tune",
+            bytes=1,
+            status="processed",
+            format="chat",
+            stats={},
+            path=store.file_key(file_id),
+        )
+    )
+    session.flush()
+    return file_id

@@ -4,7 +4,6 @@ with a restart after each: every job ends right, with exactly one training run."
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -18,8 +17,9 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
+from conftest import add_chat_file
 from tunefleet.platform.artifacts import ArtifactStore
-from tunefleet.platform.db import File, Job, JobEvent, session_scope
+from tunefleet.platform.db import Job, JobEvent, session_scope
 from tunefleet.platform.db.migrate import upgrade
 from tunefleet.platform.jobs import JobCreateRequest, create_job
 from tunefleet.platform.models import ModelRegistry
@@ -29,9 +29,6 @@ pytestmark = pytest.mark.slow
 
 TINY = "tiny-llama"
 STEPS = 6
-CHAT = {
-    "messages": [{"role": "user", "content": "color?"}, {"role": "assistant", "content": "red"}]
-}
 
 
 def _free_port() -> int:
@@ -104,22 +101,7 @@ def _jobs(p: dict[str, Any], per_tenant: dict[str, int]) -> list[str]:
         for name, n in per_tenant.items():
             tenant = create_tenant(s, name)
             principal = authenticate(s, f"Bearer {create_key(s, tenant.id)[1]}")
-            file_id = f"file-{name}"
-            store.write_bytes(store.file_key(file_id), (json.dumps(CHAT) + "\n").encode() * 4)
-            s.add(
-                File(
-                    id=file_id,
-                    tenant_id=tenant.id,
-                    filename="t.jsonl",
-                    purpose="fine-tune",
-                    bytes=1,
-                    status="processed",
-                    format="chat",
-                    stats={},
-                    path=store.file_key(file_id),
-                )
-            )
-            s.flush()
+            file_id = add_chat_file(s, store, tenant.id, f"file-{name}", copies=4)
             for i in range(n):
                 req = JobCreateRequest.model_validate(
                     {

@@ -4,14 +4,14 @@ cancel that races a pass is respected, not overwritten."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 from sqlalchemy import select
 
+from conftest import add_chat_file
 from tunefleet.platform.artifacts import ArtifactStore
-from tunefleet.platform.db import Adapter, File, Job, session_scope
+from tunefleet.platform.db import Adapter, Job, session_scope
 from tunefleet.platform.jobs import JobCreateRequest, create_job, list_events
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.scheduler import Node
@@ -20,10 +20,6 @@ from tunefleet.platform.status import JobStatus, transition
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
 from tunefleet.workers.backend import NOT_FOUND, SUCCEEDED, RunInfo
 from tunefleet.workers.controller import Controller
-
-CHAT = {
-    "messages": [{"role": "user", "content": "what color"}, {"role": "assistant", "content": "red"}]
-}
 
 
 class TwinBackend:
@@ -69,21 +65,7 @@ def _job(settings: Settings, **request: Any) -> str:
     with session_scope(url) as s:
         tenant = create_tenant(s, "acme")
         _, key = create_key(s, tenant.id)
-        store.write_bytes(store.file_key("file-1"), (json.dumps(CHAT) + "\n").encode() * 3)
-        s.add(
-            File(
-                id="file-1",
-                tenant_id=tenant.id,
-                filename="t.jsonl",
-                purpose="fine-tune",
-                bytes=1,
-                status="processed",
-                format="chat",
-                stats={},
-                path="x",
-            )
-        )
-        s.flush()
+        add_chat_file(s, store, tenant.id, "file-1", copies=3)
         principal = authenticate(s, f"Bearer {key}")
         req = JobCreateRequest.model_validate(
             {"model": "tiny-llama", "training_file": "file-1", **request}

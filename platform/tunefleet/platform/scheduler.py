@@ -224,6 +224,11 @@ def _quota_block(job: QueuedJob, tenants: dict[str, TenantQuota], state: _State)
 def _place(job: QueuedJob, free: dict[str, list[float]]) -> tuple[str, ...] | None:
     """Best-fit every worker of the gang onto ``free`` (changed in place only when the
     whole gang fits); None when some worker has nowhere to go."""
+    if (
+        sum(cpus for cpus, _ in free.values()) < job.cpus - 1e-9
+        or sum(gpus for _, gpus in free.values()) < job.gpus - 1e-9
+    ):
+        return None  # not even the cluster's total free capacity holds it
     taken: dict[str, int] = {}  # workers put on each node so far
     nodes: list[str] = []
     c, g = job.cpus_per_worker, job.gpus_per_worker

@@ -48,7 +48,7 @@ from tunefleet.platform.scheduler import (
     plan,
 )
 from tunefleet.platform.settings import Settings
-from tunefleet.platform.spec import JobSpec, fine_tuned_model_name
+from tunefleet.platform.spec import JobSpec, Resources, fine_tuned_model_name
 from tunefleet.platform.status import JobStatus, add_event, transition
 from tunefleet.workers.backend import (
     FAILED,
@@ -99,6 +99,7 @@ class Controller:
         self.registry = ModelRegistry(settings.resolved_model_registry)
         self._served: set[str] = set()
         self._tokenizers: dict[str, Any] = {}
+        self._waiting: dict[str, str] = {}  # job id -> the last "Waiting in queue" written
 
     # -- the loop --------------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
@@ -229,10 +230,11 @@ class Controller:
                     .order_by(Job.priority.desc(), Job.created_ns, Job.id)
                 )
             )
+            jobs = {j.id: j for j in queued}
+            self._waiting = {k: v for k, v in self._waiting.items() if k in jobs}
             if not queued:
                 return
             snapshot = self._snapshot(s, queued)
-            jobs = {j.id: j for j in queued}
             for decision in plan(snapshot, now):
                 job = jobs[decision.job_id]
                 with moved_on(job.id):
@@ -269,7 +271,7 @@ class Controller:
         held: dict[str, list[float]] = {n.id: [0.0, 0.0] for n in nodes}
         running: list[RunningJob] = []
         for job in s.scalars(select(Job).where(Job.status == S.RUNNING.value)):
-            res = JobSpec.model_validate(job.spec).tunefleet.resources
+            res = _resources(job)
             placed = (job.placement or {}).get("nodes", [])
             for node_id in placed:
                 if node_id in held:
@@ -321,17 +323,25 @@ class Controller:
         )
         return sid
 
-    @staticmethod
-    def _note_queue_position(s: Session, job_id: str, position: int, reason: str) -> None:
+    def _note_queue_position(self, s: Session, job_id: str, position: int, reason: str) -> None:
+        """Tell a waiting job its position and why, when either changed (the job's last
+        event is read once per controller, then remembered)."""
         message = f"Waiting in queue at position {position}: {reason}"
-        last = s.scalar(
-            select(JobEvent.message)
-            .where(JobEvent.job_id == job_id)
-            .order_by(JobEvent.seq.desc())
-            .limit(1)
-        )
-        if last != message:
+        if self._waiting.get(job_id) == message:
+            return
+        if job_id not in self._waiting:
+            self._waiting[job_id] = (
+                s.scalar(
+                    select(JobEvent.message)
+                    .where(JobEvent.job_id == job_id)
+                    .order_by(JobEvent.seq.desc())
+                    .limit(1)
+                )
+                or ""
+            )
+        if self._waiting[job_id] != message:
             add_event(s, job_id, message, data={"queue_position": position, "reason": reason})
+            self._waiting[job_id] = message
 
     def _submit(self, job_id: str, sid: str) -> None:
         env = {
@@ -515,8 +525,14 @@ class Controller:
                 self.ensure_served(base)
 
 
+def _resources(job: Job) -> Resources:
+    """The job's resources, read from its stored spec without validating the whole spec
+    (the scheduler reads every queued and running job on every pass)."""
+    return Resources.model_validate(job.spec.get("tunefleet", {}).get("resources", {}))
+
+
 def _queued(job: Job) -> QueuedJob:
-    res = JobSpec.model_validate(job.spec).tunefleet.resources
+    res = _resources(job)
     return QueuedJob(
         id=job.id,
         tenant_id=job.tenant_id,
