@@ -71,3 +71,31 @@ def build_tiny_llama(folder: Path, *, seed: int = 0, layers: int = 2, hidden: in
     model = LlamaForCausalLM(config)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def save_random_lora(
+    base: object,
+    folder: Path,
+    *,
+    r: int = 4,
+    alpha: int = 8,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    seed: int = 0,
+    std: float = 0.5,
+    use_rslora: bool = False,
+) -> Path:
+    """Save a peft LoRA adapter for ``base`` (a transformers model, left unchanged) whose
+    B factors are random, so it changes the outputs (peft starts B at zero)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora)
+    model = get_peft_model(base, config)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std)
+    model.save_pretrained(folder, safe_serialization=True)
+    model.unload()  # restore the base modules
+    return folder

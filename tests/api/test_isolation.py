@@ -11,33 +11,6 @@ from fastapi.testclient import TestClient
 
 from conftest import auth as H
 from conftest import upload_chat
-from tunefleet.platform.db import Adapter, session_scope
-from tunefleet.platform.ids import new_id
-from tunefleet.platform.settings import Settings
-
-
-@pytest.fixture
-def a_objects(app_client: TestClient, key_a: str, settings: Settings) -> dict[str, Any]:
-    f = upload_chat(app_client, key_a)
-    job = app_client.post(
-        "/v1/fine_tuning/jobs",
-        headers=H(key_a),
-        json={"model": "tiny-llama", "training_file": f["id"]},
-    ).json()
-    name = f"ft:tiny-llama:tenant-a::{job['id']}"
-    with session_scope(settings.resolved_database_url) as s:
-        s.add(
-            Adapter(
-                id=new_id("adapter"),
-                tenant_id=job["organization_id"],
-                job_id=job["id"],
-                name=name,
-                base_model="tiny-llama",
-                path=f"adapters/{job['id']}",
-            )
-        )
-    return {"file": f["id"], "job": job["id"], "model": name}
-
 
 ROUTES = [
     ("GET", "/v1/files/{file}", None),
@@ -57,6 +30,9 @@ ROUTES = [
         {"model": "tiny-llama", "training_file": "{own}", "validation_file": "{file}"},
     ),
     ("GET", "/v1/models/{model}", None),
+    ("GET", "/v1/models/{model}/shares", None),
+    ("POST", "/v1/models/{model}/shares", {"tenant": "tenant-b"}),
+    ("DELETE", "/v1/models/{model}/shares/tenant-b", None),
     (
         "POST",
         "/v1/chat/completions",

@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from conftest import auth
+
 pytestmark = pytest.mark.slow
 
 TINY = "tiny-llama"
@@ -89,8 +91,17 @@ def stack(
                 text=True,
             )
             keys[tenant] = json.loads(out.stdout.strip().splitlines()[-1])["api_key"]
+        out = subprocess.run(
+            [*cli, "admin", "create-key", "acme", "--admin"],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        keys["admin"] = json.loads(out.stdout.strip().splitlines()[-1])["api_key"]
         yield {
             "url": url,
+            "serve": f"http://127.0.0.1:{env['TUNEFLEET_SERVE_PORT']}",
             "keys": keys,
             "data": data,
             "log": data / "up.log",
@@ -264,6 +275,56 @@ def test_upload_train_serve(stack: dict[str, Any]) -> None:
     assert [c.index for c in done.choices] == [0, 1]
     assert done.choices[0].text == done.choices[1].text  # greedy: the same twice
     assert done.usage is not None and done.usage.completion_tokens > 0
+
+    _share_then_unshare(client, job["fine_tuned_model"], chat, stack)
+    _merged_then_multiplexed(client, job, chat, stack)
+
+
+def _share_then_unshare(client: httpx.Client, model: str, chat: Any, stack: dict[str, Any]) -> None:
+    """acme shares its adapter with globex: globex lists it (owned by acme) and calls it,
+    but cannot manage its shares; unshared, it is a 404 again."""
+    globex = stack["keys"]["globex"]
+    shares = f"/v1/models/{model}/shares"
+    resp = client.post(shares, json={"tenant": "globex"})
+    assert resp.status_code == 200 and resp.json()["data"] == ["globex"], resp.text
+    listed = client.get("/v1/models", headers=auth(globex)).json()["data"]
+    assert [(m["id"], m["owned_by"]) for m in listed if m["id"] == model] == [(model, "acme")]
+    shared = chat(model, key=globex)
+    assert shared.status_code == 200, shared.text
+    assert shared.json()["choices"][0]["message"]["content"].strip() == ANSWER
+    assert client.post(shares, json={"tenant": "acme"}, headers=auth(globex)).status_code == 404
+    assert client.post(shares, json={"tenant": "nobody"}).status_code == 404
+    assert client.delete(f"{shares}/globex").status_code == 200
+    assert chat(model, key=globex).status_code == 404
+
+
+def _merged_then_multiplexed(
+    client: httpx.Client, job: dict[str, Any], chat: Any, stack: dict[str, Any]
+) -> None:
+    """One admin call serves the adapter merged into its own copy of the base (same
+    greedy answer), another moves it back; the replica applies each without a restart."""
+    admin = auth(stack["keys"]["admin"])
+    path = f"/v1/admin/adapters/{job['fine_tuned_model']}"
+    replica = f"{stack['serve']}/models/{TINY}/v1/adapters"
+
+    def replica_state() -> dict[str, Any]:
+        state: dict[str, Any] = httpx.get(replica, timeout=30).json()
+        return state
+
+    assert client.patch(path, json={"serving_mode": "merged"}).status_code == 403  # not admin
+    before = chat(job["fine_tuned_model"]).json()["choices"][0]["message"]["content"]
+    for mode, pinned in (("merged", True), ("multiplexed", False)):
+        resp = client.patch(path, json={"serving_mode": mode, "pinned": pinned}, headers=admin)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["serving_mode"] == mode and resp.json()["pinned"] is pinned
+        deadline = time.monotonic() + 60
+        while (job["id"] in replica_state()["merged"]) != (mode == "merged"):
+            assert time.monotonic() < deadline, f"replica did not switch to {mode}"
+            time.sleep(0.5)
+        assert (job["id"] in replica_state()["pinned"]) is pinned
+        answer = chat(job["fine_tuned_model"])
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"] == before
 
 
 def _wait(client: httpx.Client, job_id: str, pred: Any, what: str, timeout: float = 300) -> Any:

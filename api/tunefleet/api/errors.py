@@ -20,6 +20,15 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def _got(error: Any) -> str:
+    """`` (got 'x')`` naming the bad value, when it is a short scalar."""
+    value = error.get("input")
+    if error.get("type") == "missing" or not isinstance(value, str | int | float | bool):
+        return ""
+    shown = repr(value)
+    return f" (got {shown})" if len(shown) <= 80 else f" (got {shown[:77]}...)"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TuneFleetError)
     async def _domain(_: Request, exc: TuneFleetError) -> JSONResponse:
@@ -35,7 +44,7 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
         param = ".".join(loc) or None
         detail = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}" + _got(e)
             for e in errors[:10]
         )
         return JSONResponse(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -59,6 +60,30 @@ class Settings(BaseSettings):
     api_port: int = Field(default=8080, description="Port the REST API listens on.")
     serve_host: str = Field(default="127.0.0.1", description="Ray Serve HTTP proxy host.")
     serve_port: int = Field(default=8000, description="Ray Serve HTTP proxy port.")
+    serve_max_adapters_per_replica: int = Field(
+        default=64, ge=1, le=1024, description="Adapters one serving replica holds (LRU)."
+    )
+    serve_max_batch_size: int = Field(
+        default=32, ge=1, le=1024, description="Requests decoded together per replica."
+    )
+    serve_batch_wait_ms: float = Field(
+        default=5, ge=0, le=1000, description="How long an idle replica waits to batch."
+    )
+    serve_base_quantization: Literal["none", "nf4"] = Field(
+        default="none",
+        description="Serve the base in fp32 ('none') or 4-bit NF4 ('nf4', for QLoRA "
+        "adapters on the base they were trained on).",
+    )
+    serve_min_replicas: int = Field(default=1, ge=1, description="Serving replicas (least).")
+    serve_max_replicas: int = Field(
+        default=1, ge=1, description="Serving replicas (most; above the least: autoscaling)."
+    )
+    serve_target_ongoing_requests: float = Field(
+        default=16, gt=0, description="Autoscaling target of ongoing requests per replica."
+    )
+    serve_config_poll_s: float = Field(
+        default=2, gt=0, description="How often replicas re-read merged/pinned adapters."
+    )
     max_upload_bytes: int = Field(
         default=512 * 1024 * 1024, description="Largest accepted file upload, in bytes."
     )

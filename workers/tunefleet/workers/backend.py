@@ -143,7 +143,7 @@ class RayBackend:
         """Deploy (or keep) the Serve application for ``base_model``; returns its route."""
         from ray import serve
 
-        from tunefleet.workers.serve.app import build_app, route_prefix
+        from tunefleet.workers.serve.app import ServingOptions, build_app, route_prefix
 
         if not self._serve_started:
             serve.start(
@@ -155,11 +155,24 @@ class RayBackend:
         status = serve.status().applications.get(name)
         if status is not None and str(status.status) in {"RUNNING", "ApplicationStatus.RUNNING"}:
             return prefix
+        st = self.settings
+        options = ServingOptions(
+            max_adapters_per_replica=st.serve_max_adapters_per_replica,
+            max_batch_size=st.serve_max_batch_size,
+            batch_wait_ms=st.serve_batch_wait_ms,
+            base_quantization=st.serve_base_quantization,
+            database_url=st.resolved_database_url,
+            config_poll_s=st.serve_config_poll_s,
+        )
         serve.run(
             build_app(
                 base_model=base_model,
                 model_path=model_path,
-                artifact_root=str(self.settings.resolved_artifact_root),
+                artifact_root=str(st.resolved_artifact_root),
+                options=options,
+                min_replicas=st.serve_min_replicas,
+                max_replicas=max(st.serve_min_replicas, st.serve_max_replicas),
+                target_ongoing_requests=st.serve_target_ongoing_requests,
             ),
             name=name,
             route_prefix=prefix,

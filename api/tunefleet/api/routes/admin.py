@@ -9,9 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
 
 from tunefleet.api.deps import PrincipalDep, SessionDep
-from tunefleet.platform.db import ApiKey, Job, Tenant, now_s
+from tunefleet.platform.db import Adapter, ApiKey, Job, Tenant, now_s
 from tunefleet.platform.errors import Forbidden, NotFound
 from tunefleet.platform.jobs import job_view
+from tunefleet.platform.serving import ServingMode, describe
 from tunefleet.platform.tenants import Principal, create_key, create_tenant, forget_keys
 
 
@@ -141,3 +142,44 @@ def all_jobs(
         "object": "list",
         "data": [{**job_view(j), "tenant_id": j.tenant_id} for j in session.scalars(query)],
     }
+
+
+class ServingUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    serving_mode: ServingMode | None = Field(
+        default=None,
+        description="'merged': into its own copy of the base (no LoRA overhead, one base's "
+        "memory more per replica); 'multiplexed': batched with other adapters on the "
+        "shared base.",
+    )
+    pinned: bool | None = Field(default=None, description="Never evicted from replicas.")
+
+
+@router.get("/adapters")
+def all_adapters(session: SessionDep, _: AdminDep, base_model: str | None = None) -> dict[str, Any]:
+    """Every tenant's adapters with how they are served."""
+    query = select(Adapter).order_by(Adapter.created_at, Adapter.id)
+    if base_model:
+        query = query.where(Adapter.base_model == base_model)
+    return {
+        "object": "list",
+        "data": [{**describe(a), "tenant_id": a.tenant_id} for a in session.scalars(query)],
+    }
+
+
+@router.patch("/adapters/{model:path}")
+def update_serving(
+    model: str, body: ServingUpdate, session: SessionDep, _: AdminDep
+) -> dict[str, Any]:
+    """Move an adapter between merged and multiplexed serving, or pin it; every replica of
+    its base model applies the change within ``TUNEFLEET_SERVE_CONFIG_POLL_S``, requests
+    in flight finish where they started."""
+    adapter = session.scalar(select(Adapter).where(Adapter.name == model))
+    if adapter is None:
+        raise NotFound(f"no fine-tuned model named {model!r}", param="model")
+    if body.serving_mode is not None:
+        adapter.serving_mode = body.serving_mode
+    if body.pinned is not None:
+        adapter.pinned = body.pinned
+    session.commit()
+    return {**describe(adapter), "tenant_id": adapter.tenant_id}

@@ -11,13 +11,12 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep
-from tunefleet.platform.db import Adapter
 from tunefleet.platform.errors import InvalidRequest, NotFound, Unavailable
 from tunefleet.platform.models import ModelRegistry
+from tunefleet.platform.serving import visible_adapter
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.tenants import Principal
 
@@ -65,9 +64,7 @@ async def _forward(
     if model in registry.names():
         base, adapter_id = model, ""
     else:
-        adapter = session.scalar(
-            select(Adapter).where(Adapter.name == model, Adapter.tenant_id == principal.tenant_id)
-        )
+        adapter = visible_adapter(session, principal.tenant_id, model)
         if adapter is None:
             raise NotFound(
                 f"the model {model!r} does not exist or you do not have access to "

@@ -1,43 +1,85 @@
-"""``/v1/models``: the base models in the registry and the caller's fine-tuned models."""
+"""``/v1/models``: the base models in the registry, the caller's fine-tuned models and the
+ones other tenants shared with it; sharing an adapter with another tenant."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter
-from sqlalchemy import select
+from pydantic import BaseModel, ConfigDict, Field
 
 from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep
-from tunefleet.platform.db import Adapter
+from tunefleet.platform.db import Adapter, Tenant
 from tunefleet.platform.errors import NotFound
+from tunefleet.platform.serving import (
+    owned_adapter,
+    share,
+    shares,
+    unshare,
+    visible_adapter,
+    visible_adapters,
+)
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
+
+
+class ShareCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: str = Field(description="Name of the tenant that may call the model.")
 
 
 def _base(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "tunefleet", "parent": None}
 
 
-def _adapter(a: Adapter, tenant_name: str) -> dict[str, Any]:
+def _adapter(a: Adapter, owner: str) -> dict[str, Any]:
     return {
         "id": a.name,
         "object": "model",
         "created": a.created_at,
-        "owned_by": tenant_name,
+        "owned_by": owner,
         "parent": a.base_model,
     }
+
+
+def _shares_view(session: SessionDep, adapter: Adapter) -> dict[str, Any]:
+    return {"object": "list", "model": adapter.name, "data": shares(session, adapter)}
 
 
 @router.get("")
 async def list_models(
     session: SessionDep, principal: PrincipalDep, registry: RegistryDep
 ) -> dict[str, Any]:
-    adapters = session.scalars(
-        select(Adapter).where(Adapter.tenant_id == principal.tenant_id).order_by(Adapter.created_at)
-    )
     data = [_base(n) for n in registry.names()]
-    data += [_adapter(a, principal.tenant_name) for a in adapters]
+    data += [_adapter(a, owner) for a, owner in visible_adapters(session, principal.tenant_id)]
     return {"object": "list", "data": data}
+
+
+@router.get("/{model:path}/shares")
+async def list_shares(model: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+    """Tenants the caller's model is shared with."""
+    return _shares_view(session, owned_adapter(session, principal.tenant_id, model))
+
+
+@router.post("/{model:path}/shares")
+async def create_share(
+    model: str, body: ShareCreate, session: SessionDep, principal: PrincipalDep
+) -> dict[str, Any]:
+    """Let another tenant call the caller's model (it cannot change or re-share it)."""
+    adapter = owned_adapter(session, principal.tenant_id, model)
+    share(session, adapter, body.tenant)
+    session.commit()
+    return _shares_view(session, adapter)
+
+
+@router.delete("/{model:path}/shares/{tenant}")
+async def delete_share(
+    model: str, tenant: str, session: SessionDep, principal: PrincipalDep
+) -> dict[str, Any]:
+    adapter = owned_adapter(session, principal.tenant_id, model)
+    unshare(session, adapter, tenant)
+    session.commit()
+    return _shares_view(session, adapter)
 
 
 @router.get("/{model:path}")
@@ -46,13 +88,12 @@ async def retrieve_model(
 ) -> dict[str, Any]:
     if model in registry.names():
         return _base(model)
-    adapter = session.scalar(
-        select(Adapter).where(Adapter.name == model, Adapter.tenant_id == principal.tenant_id)
-    )
+    adapter = visible_adapter(session, principal.tenant_id, model)
     if adapter is None:
         raise NotFound(
             f"no model named {model!r}; list yours with GET /v1/models",
             param="model",
             code="model_not_found",
         )
-    return _adapter(adapter, principal.tenant_name)
+    owner = session.get(Tenant, adapter.tenant_id)
+    return _adapter(adapter, owner.name if owner else "")

@@ -2,6 +2,7 @@
 
 from tunefleet.platform.db.models import (
     Adapter,
+    AdapterShare,
     ApiKey,
     Base,
     Checkpoint,
@@ -16,6 +17,7 @@ from tunefleet.platform.db.session import get_engine, session_factory, session_s
 
 __all__ = [
     "Adapter",
+    "AdapterShare",
     "ApiKey",
     "Base",
     "Checkpoint",

@@ -158,3 +158,23 @@ class Adapter(Base):
     base_model: Mapped[str] = mapped_column(String(256))
     path: Mapped[str] = mapped_column(String(1024))
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    # How replicas serve it: "multiplexed" (batched with other adapters on the shared base)
+    # or "merged" (into its own copy of the base); pinned adapters are never evicted.
+    serving_mode: Mapped[str] = mapped_column(
+        String(16), server_default=text("'multiplexed'"), default="multiplexed"
+    )
+    pinned: Mapped[bool] = mapped_column(Boolean, server_default=text("false"), default=False)
+
+
+class AdapterShare(Base):
+    """Another tenant that may call an adapter (read-only: it cannot change or share it)."""
+
+    __tablename__ = "adapter_shares"
+
+    adapter_id: Mapped[str] = mapped_column(
+        ForeignKey("adapters.id", ondelete="CASCADE"), primary_key=True
+    )
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)

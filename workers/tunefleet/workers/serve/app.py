@@ -15,24 +15,58 @@ Glossary: *adapter id* is the job id that produced the adapter (its artifact key
 # route signatures at run time and would take a string `Request` for a query parameter.
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from tunefleet.platform.artifacts import ArtifactStore
-from tunefleet.workers.serve.generate import Finished, Sampling, complete, decode
+from tunefleet.workers.serve.engine import BatchEngine
+from tunefleet.workers.serve.generate import Finished, Sampling, TextStream, eos_ids
+from tunefleet.workers.serve.multilora import (
+    AdapterCache,
+    AdapterError,
+    CacheFullError,
+    MultiLoraModel,
+    load_base,
+)
 
-MAX_ADAPTERS_PER_REPLICA = 64
+log = logging.getLogger("tunefleet.serve")
+
+# How many adapter ids Serve's multiplexer remembers per replica, for routing only: it
+# prefers a replica that reported an id. What is really loaded is the AdapterCache's
+# business (max_adapters_per_replica, LRU, pinning).
+MAX_ADAPTERS_PER_REPLICA = 1024
+
+
+class ServingOptions(BaseModel):
+    """Per-replica settings fixed at deployment (changing them restarts replicas)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_adapters_per_replica: int = Field(default=64, ge=1, le=MAX_ADAPTERS_PER_REPLICA)
+    max_batch_size: int = Field(default=32, ge=1, le=1024)
+    batch_wait_ms: float = Field(default=5.0, ge=0, le=1000)
+    base_quantization: Literal["none", "nf4"] = "none"
+    # where the replica reads which adapters are served merged or pinned (None: none are)
+    database_url: str | None = None
+    config_poll_s: float = Field(default=2.0, gt=0)
+
+
+class ServingConfig(BaseModel):
+    """Which adapters a replica serves merged and which it keeps pinned."""
+
+    model_config = ConfigDict(extra="forbid")
+    merged: list[str] = Field(default_factory=list)
+    pinned: list[str] = Field(default_factory=list)
 
 
 def route_prefix(base_model: str) -> str:
@@ -94,31 +128,104 @@ def _usage(done: list[Finished], prompts: list[list[int]]) -> dict[str, int]:
     }
 
 
-class _LoadedAdapter:
-    """Handle Serve's multiplexer keeps per adapter; eviction unloads it from the model."""
+def _error(status: int, message: str, code: str, param: str | None = "model") -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content={
+            "error": {
+                "message": message,
+                "type": "invalid_request_error" if status < 500 else "server_error",
+                "param": param,
+                "code": code,
+            }
+        },
+    )
 
-    def __init__(self, server: "LoraServer", adapter_id: str):
-        self.server, self.adapter_id, self._live = server, adapter_id, True
 
-    def __del__(self) -> None:
-        if getattr(self, "_live", False):
-            self._live = False
-            self.server.unload(self.adapter_id)
+def _sink(loop: asyncio.AbstractEventLoop, out: "asyncio.Queue[Any]", index: int) -> Any:
+    """An engine sink that hands (choice index, token, finish) to the request's event loop."""
+    return lambda token, finish: loop.call_soon_threadsafe(out.put_nowait, (index, token, finish))
+
+
+def _merge_into_copy(base: Any, folder: Path) -> Any:
+    """The adapter merged (``merge_and_unload``) into ``base``, a copy of the served base;
+    a 4-bit base is de-quantized first."""
+    from peft import PeftModel
+
+    if getattr(base, "is_loaded_in_4bit", False):
+        base = base.dequantize()
+    return PeftModel.from_pretrained(base, str(folder)).merge_and_unload().eval()
+
+
+class _Run:
+    """The choices of one request, decoded in the shared batch; iterate for
+    ``(choice index, text delta, Finished | None)`` as they come. Leaving early (a client
+    that disconnects) cancels the rows; the adapter is released at the end either way."""
+
+    def __init__(
+        self,
+        server: "LoraServer",
+        engine: BatchEngine,
+        slot: int,
+        adapter_id: str,
+        jobs: list[tuple[list[int], Sampling]],
+    ):
+        self.server, self.engine, self.slot, self.adapter_id = server, engine, slot, adapter_id
+        self.jobs = jobs
+        self.done: list[Finished] = []
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, str, Finished | None]]:
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        streams = [TextStream(self.server.tokenizer, s, len(p)) for p, s in self.jobs]
+        finished: list[Finished | None] = [None] * len(self.jobs)
+        rows = [
+            self.engine.submit(p, s, self.slot, _sink(loop, queue, i))
+            for i, (p, s) in enumerate(self.jobs)
+        ]
+        try:
+            while any(f is None for f in finished):
+                i, token, finish = await queue.get()
+                if finished[i] is not None:
+                    continue
+                if isinstance(finish, BaseException):
+                    raise finish
+                if finish is not None:
+                    delta, end = streams[i].finish(finish)
+                else:
+                    delta, stopped = streams[i].push(token)
+                    end = stopped
+                    if stopped is not None:
+                        rows[i].cancel()
+                finished[i] = end
+                yield i, delta, end
+            self.done = [f for f in finished if f is not None]
+            self.server.record(self.adapter_id, self.done, started)
+        finally:
+            for row in rows:
+                row.cancel()
+            if self.slot:
+                self.server.cache.release(self.adapter_id)
 
 
 app = FastAPI()
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=32)
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
 @serve.ingress(app)
 class LoraServer:
-    def __init__(self, base_model: str, model_path: str, artifact_root: str):
+    """One replica: the base weights, the adapter cache, the batching engine, and a merged
+    copy of the base per adapter served merged."""
+
+    def __init__(
+        self, base_model: str, model_path: str, artifact_root: str, options: dict[str, Any]
+    ):
         self.base_model = base_model
+        self.model_path = model_path
+        self.options = ServingOptions.model_validate(options)
         self.store = ArtifactStore(Path(artifact_root))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.model.eval()
-        self._lock = threading.Lock()  # generate and load/unload change shared modules
         # Per-adapter metrics through Ray's metrics agent (Prometheus on each node's
         # metrics export port); Serve adds the deployment, replica and application tags.
         from ray.serve import metrics
@@ -142,31 +249,118 @@ class LoraServer:
         self.m_evictions = metrics.Counter(
             "tunefleet_adapter_evictions", "Adapters evicted (LRU).", tag_keys=per_adapter
         )
+        base = load_base(model_path, self.options.base_quantization)
+        self.lora = MultiLoraModel(base, max_adapters=self.options.max_adapters_per_replica)
+        self.cache = AdapterCache(
+            self.lora,
+            locate=lambda a: self.store.path(self.store.adapter_key(a)),
+            on_load=lambda a: self.m_loads.inc(tags={"adapter": a}),
+            on_evict=lambda a: self.m_evictions.inc(tags={"adapter": a}),
+        )
+        self.eos = eos_ids(base, self.tokenizer)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else next(iter(self.eos), 0)
+        self.engine = self._engine(self.lora)
+        self.merged: dict[str, BatchEngine] = {}  # adapter id -> engine of its merged copy
+        self.applied = ServingConfig()
+        self._config_lock = threading.Lock()
+        if self.options.database_url:
+            threading.Thread(target=self._poll_config, name="serving-config", daemon=True).start()
+
+    def _engine(self, lora: MultiLoraModel) -> BatchEngine:
+        engine = BatchEngine(
+            lora,
+            self.eos,
+            max_batch_size=self.options.max_batch_size,
+            batch_wait_s=self.options.batch_wait_ms / 1000,
+            pad_id=self.pad_id,
+        )
+        engine.start()
+        return engine
+
+    def _poll_config(self) -> None:
+        """Apply the serving configuration the database holds for this base model, now
+        and whenever it changes."""
+        from tunefleet.platform.db import session_scope
+        from tunefleet.platform.serving import serving_config
+
+        assert self.options.database_url is not None
+        while True:
+            try:
+                with session_scope(self.options.database_url) as s:
+                    wanted = ServingConfig.model_validate(serving_config(s, self.base_model))
+                if wanted != self.applied:
+                    self.apply_config(wanted)
+            except Exception:  # keep polling: the database may be back next time
+                log.exception("reading the serving configuration of %s", self.base_model)
+            time.sleep(self.options.config_poll_s)
+
+    def apply_config(self, wanted: ServingConfig) -> None:
+        """Serve ``wanted.merged`` adapters merged and keep ``wanted.pinned`` loaded; requests
+        already running finish where they started."""
+        with self._config_lock:
+            for adapter_id in set(self.merged) - set(wanted.merged):
+                self.merged.pop(adapter_id).stop()
+            for adapter_id in set(wanted.merged) - set(self.merged):
+                folder = self.store.path(self.store.adapter_key(adapter_id))
+                try:
+                    merged = _merge_into_copy(self.lora.base_copy(), folder)
+                except Exception as exc:  # one bad adapter must not take the replica down
+                    log.error("cannot serve %s merged: %s", adapter_id, exc)
+                    continue
+                self.merged[adapter_id] = self._engine(MultiLoraModel(merged, max_adapters=1))
+            for entry in self.cache.loaded():
+                if entry["pinned"] and entry["id"] not in wanted.pinned:
+                    self.cache.acquire(entry["id"], pin=False, hold=False)
+            for adapter_id in wanted.pinned:
+                try:
+                    self.cache.acquire(adapter_id, pin=True, hold=False)
+                except (AdapterError, CacheFullError, OSError) as exc:
+                    log.error("cannot pin %s: %s", adapter_id, exc)
+            self.applied = wanted
 
     @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
-    async def get_adapter(self, adapter_id: str) -> _LoadedAdapter:
-        path = self.store.path(self.store.adapter_key(adapter_id))
-        await asyncio.to_thread(self._attach, adapter_id, path)
-        self.m_loads.inc(tags={"adapter": adapter_id})
-        return _LoadedAdapter(self, adapter_id)
+    async def get_adapter(self, adapter_id: str) -> str:
+        """Loads the adapter; through Serve's multiplexing this also tells the router that
+        this replica holds it, so later requests for it come here."""
+        await asyncio.to_thread(self.cache.acquire, adapter_id, hold=False)
+        return adapter_id
 
-    def _attach(self, adapter_id: str, path: Path) -> None:
-        from peft import PeftModel
+    # -- adapter administration (this replica) -------------------------------------------
+    @app.get("/v1/adapters")
+    async def list_adapters(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": self.cache.loaded(),
+            "merged": sorted(self.merged),
+            "pinned": self.applied.pinned,
+            "capacity": self.cache.capacity,
+            "running": len(self.engine.active),
+        }
 
-        with self._lock:
-            if isinstance(self.model, PeftModel):
-                self.model.load_adapter(str(path), adapter_name=adapter_id)
-            else:
-                self.model = PeftModel.from_pretrained(
-                    self.model, str(path), adapter_name=adapter_id
-                )
-            self.model.eval()
+    @app.post("/v1/adapters/{adapter_id}/load")
+    async def load_adapter(self, adapter_id: str, pin: bool = False) -> Any:
+        if not self.store.exists(self.store.adapter_key(adapter_id)):
+            return _error(
+                404, f"adapter {adapter_id!r} is not in the artifact store", "model_not_found"
+            )
+        try:
+            await asyncio.to_thread(self.cache.acquire, adapter_id, pin=pin, hold=False)
+        except AdapterError as exc:
+            return _error(
+                422, f"adapter {adapter_id!r} cannot be served: {exc}", "adapter_unservable"
+            )
+        except CacheFullError as exc:
+            return _error(503, str(exc), "adapter_cache_full")
+        return {"id": adapter_id, "loaded": True, "pinned": pin}
 
-    def unload(self, adapter_id: str) -> None:
-        with self._lock:
-            if adapter_id in getattr(self.model, "peft_config", {}):
-                self.model.delete_adapter(adapter_id)
-                self.m_evictions.inc(tags={"adapter": adapter_id})
+    @app.delete("/v1/adapters/{adapter_id}")
+    async def unload_adapter(self, adapter_id: str) -> Any:
+        try:
+            unloaded = await asyncio.to_thread(self.cache.unload, adapter_id)
+        except CacheFullError as exc:
+            return _error(409, str(exc), "adapter_in_use")
+        return {"id": adapter_id, "unloaded": unloaded}
 
     # -- OpenAI endpoints ----------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -191,38 +385,38 @@ class LoraServer:
         self, req: _GenerationRequest, prompts: list[list[int]], max_new: int, *, chat: bool
     ) -> Any:
         adapter_id = serve.get_multiplexed_model_id()
-        if adapter_id:
+        engine, slot = self.engine, 0
+        if adapter_id in self.merged:
+            engine = self.merged[adapter_id]
+        elif adapter_id:
             if not self.store.exists(self.store.adapter_key(adapter_id)):
-                return JSONResponse(
-                    status_code=404,
-                    content={
-                        "error": {
-                            "message": f"adapter {adapter_id!r} is not in the artifact store",
-                            "type": "invalid_request_error",
-                            "param": "model",
-                            "code": "model_not_found",
-                        }
-                    },
+                return _error(
+                    404, f"adapter {adapter_id!r} is not in the artifact store", "model_not_found"
                 )
-            await self.get_adapter(adapter_id)
+            try:
+                await self.get_adapter(adapter_id)
+                # held until the answer ends: the cache will not evict it meanwhile
+                slot = await asyncio.to_thread(self.cache.acquire, adapter_id)
+            except AdapterError as exc:
+                return _error(
+                    422, f"adapter {adapter_id!r} cannot be served: {exc}", "adapter_unservable"
+                )
+            except CacheFullError as exc:
+                return _error(503, str(exc), "adapter_cache_full")
         # one choice per prompt and sample: index = prompt * n + sample, as OpenAI numbers them
-        started = time.perf_counter()
         jobs = [(p, req.sampling(max_new, k)) for p in prompts for k in range(req.n)]
+        run = _Run(self, engine, slot, adapter_id, jobs)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "created": int(time.time()),
             "model": req.model,
         }
         if req.stream:
-            events = self._stream(req, jobs, adapter_id, head, started, chat=chat)
+            events = self._stream(req, run, head, chat=chat)
             return StreamingResponse(events, media_type="text/event-stream")
-        done = await asyncio.to_thread(
-            lambda: [
-                complete(self.model, self.tokenizer, p, s, adapter_id=adapter_id, lock=self._lock)
-                for p, s in jobs
-            ]
-        )
-        self._record(adapter_id, done, started)
+        async for _ in run:
+            pass
+        done = run.done
         choices = [
             {"index": i, "message": {"role": "assistant", "content": f.text}}
             if chat
@@ -240,7 +434,7 @@ class LoraServer:
             }
         )
 
-    def _record(self, adapter_id: str, done: list[Finished], started: float) -> None:
+    def record(self, adapter_id: str, done: list[Finished], started: float) -> None:
         tags = {"adapter": adapter_id or "base"}
         self.m_requests.inc(tags=tags)
         tokens = sum(f.completion_tokens for f in done)
@@ -248,17 +442,10 @@ class LoraServer:
             self.m_tokens.inc(tokens, tags=tags)
         self.m_latency.observe(time.perf_counter() - started, tags=tags)
 
-    def _stream(
-        self,
-        req: _GenerationRequest,
-        jobs: list[tuple[list[int], Sampling]],
-        adapter_id: str,
-        head: dict[str, Any],
-        started: float,
-        *,
-        chat: bool,
-    ) -> Iterator[str]:
-        """Server-sent events; Starlette runs this generator in its thread pool."""
+    async def _stream(
+        self, req: _GenerationRequest, run: "_Run", head: dict[str, Any], *, chat: bool
+    ) -> AsyncIterator[str]:
+        """Server-sent events: each choice's deltas as the batch makes them."""
         usage = req.stream_options is not None and req.stream_options.include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -275,27 +462,22 @@ class LoraServer:
                 body = {"text": delta or ""}
             return {"index": i, **body, "logprobs": None, "finish_reason": finish}
 
-        done: list[Finished] = []
-        for i, (prompt, sampling) in enumerate(jobs):
-            if chat:
+        if chat:
+            for i in range(len(run.jobs)):
                 first = {"index": i, "delta": {"role": "assistant", "content": ""}}
                 yield event([{**first, "logprobs": None, "finish_reason": None}])
-            for item in decode(
-                self.model,
-                self.tokenizer,
-                prompt,
-                sampling,
-                adapter_id=adapter_id,
-                lock=self._lock,
-            ):
-                if isinstance(item, Finished):
-                    done.append(item)
-                    yield event([choice(i, None, item.finish_reason)])
-                else:
-                    yield event([choice(i, item, None)])
-        self._record(adapter_id, done, started)
+        try:
+            async for i, delta, finished in run:
+                if delta:
+                    yield event([choice(i, delta, None)])
+                if finished is not None:
+                    yield event([choice(i, None, finished.finish_reason)])
+        except Exception as exc:  # headers are sent: report in the stream, as OpenAI does
+            error = {"message": str(exc), "type": "server_error", "param": None, "code": None}
+            yield f"data: {json.dumps({'error': error})}\n\n"
+            return
         if usage:
-            yield event([], usage=_usage(done, [p for p, _ in jobs[:: req.n]]))
+            yield event([], usage=_usage(run.done, [p for p, _ in run.jobs[:: req.n]]))
         yield "data: [DONE]\n\n"
 
     @app.get("/healthz")
@@ -303,6 +485,30 @@ class LoraServer:
         return {"status": "ok", "base_model": self.base_model}
 
 
-def build_app(*, base_model: str, model_path: str, artifact_root: str) -> Any:
+def build_app(
+    *,
+    base_model: str,
+    model_path: str,
+    artifact_root: str,
+    options: ServingOptions | None = None,
+    min_replicas: int = 1,
+    max_replicas: int = 1,
+    target_ongoing_requests: float = 16,
+) -> Any:
+    """The application of one base model. With ``max_replicas > min_replicas`` Serve
+    autoscales on ongoing requests per replica."""
     deployment: Any = LoraServer  # the @serve.deployment wrapper, untyped
-    return deployment.options(name="LoraServer").bind(base_model, model_path, artifact_root)
+    scaling: dict[str, Any] = (
+        {
+            "autoscaling_config": {
+                "min_replicas": min_replicas,
+                "max_replicas": max_replicas,
+                "target_ongoing_requests": target_ongoing_requests,
+            }
+        }
+        if max_replicas > min_replicas
+        else {"num_replicas": min_replicas}
+    )
+    return deployment.options(name="LoraServer", **scaling).bind(
+        base_model, model_path, artifact_root, (options or ServingOptions()).model_dump()
+    )

@@ -1,21 +1,16 @@
-"""Decoding one request on a shared model: token by token with a KV cache, so the serving
-app can stream text as it is made and stop on the client's stop strings.
+"""From token ids to what a client sees: sampling a token, text deltas and stop strings.
 
-The model is shared by every request of a replica (and adapters load into it), so each
-forward step takes the replica's lock, not the whole request: concurrent streams
-interleave step by step instead of queueing behind each other.
+The batch engine (``engine.py``) produces each request's token ids; a ``TextStream`` per
+request turns them into text deltas as they come, holds back what could be the start of a
+stop string or half a character, and says when a stop string ends the answer.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
 
 
 @dataclass(frozen=True)
@@ -38,7 +33,7 @@ class Finished:
     token_ids: list[int] = field(default_factory=list)
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), tokenizer):
         eos = getattr(source, "eos_token_id", None)
@@ -49,7 +44,9 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def _pick(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None) -> int:
+def pick_token(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None) -> int:
+    """Greedy when ``temperature`` is 0; else temperature and nucleus (``top_p``) sampling,
+    reproducible with a seeded generator."""
     if sampling.temperature == 0:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
@@ -61,64 +58,38 @@ def _pick(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None)
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def decode(
-    model: Any,
-    tokenizer: Any,
-    input_ids: list[int],
-    sampling: Sampling,
-    *,
-    adapter_id: str = "",
-    lock: threading.Lock | None = None,
-) -> Iterator[str | Finished]:
-    """Yield text deltas as tokens are decoded, then one ``Finished``. Greedy when
-    ``temperature`` is 0; sampled with ``seed`` reproducibly otherwise."""
-    lock = lock or threading.Lock()
-    gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    eos = _eos_ids(model, tokenizer)
-    hold = max((len(s) for s in sampling.stop), default=1) - 1
-    ids = torch.tensor([input_ids])
-    past: Any = None
-    out_ids: list[int] = []
-    text, sent, finish = "", 0, "length"
-    while len(out_ids) < sampling.max_tokens:
-        with lock, torch.inference_mode():
-            kwargs: dict[str, Any] = {"past_key_values": past, "use_cache": True}
-            if hasattr(model, "peft_config"):
-                kwargs["adapter_names"] = [adapter_id or BASE]
-            out = model(input_ids=ids, **kwargs)
-        past = out.past_key_values
-        token = _pick(out.logits[0, -1], sampling, gen)
-        if token in eos:
-            finish = "stop"
-            break
-        out_ids.append(token)
-        ids = torch.tensor([[token]])
-        text = tokenizer.decode(out_ids, skip_special_tokens=True)
-        cut = min((text.find(s) for s in sampling.stop if s and s in text), default=-1)
+class TextStream:
+    """Text of one answer as its tokens arrive."""
+
+    def __init__(self, tokenizer: Any, sampling: Sampling, prompt_tokens: int):
+        self.tokenizer = tokenizer
+        self.stops = [s for s in sampling.stop if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.prompt_tokens = prompt_tokens
+        self.ids: list[int] = []
+        self.text, self.sent = "", 0
+
+    def push(self, token: int) -> tuple[str, Finished | None]:
+        """The delta now safe to send, and a ``Finished`` when a stop string ended it."""
+        self.ids.append(token)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = min((self.text.find(s) for s in self.stops if s in self.text), default=-1)
         if cut >= 0:
-            text, finish = text[:cut], "stop"
-            break
+            self.text = self.text[:cut]
+            return self._rest(), self._finished("stop")
         # hold back a partial character and what could be the start of a stop string
-        ready = len(text) - (1 if text.endswith("\ufffd") else 0) - hold
-        if ready > sent:
-            yield text[sent:ready]
-            sent = ready
-    if len(text) > sent:
-        yield text[sent:]
-    yield Finished(text, finish, len(input_ids), len(out_ids), out_ids)
+        ready = len(self.text) - (1 if self.text.endswith("\ufffd") else 0) - self.hold
+        if ready > self.sent:
+            delta, self.sent = self.text[self.sent : ready], ready
+            return delta, None
+        return "", None
 
+    def finish(self, reason: str) -> tuple[str, Finished]:
+        return self._rest(), self._finished(reason)
 
-def complete(
-    model: Any,
-    tokenizer: Any,
-    input_ids: list[int],
-    sampling: Sampling,
-    *,
-    adapter_id: str = "",
-    lock: threading.Lock | None = None,
-) -> Finished:
-    """The whole decode at once."""
-    for item in decode(model, tokenizer, input_ids, sampling, adapter_id=adapter_id, lock=lock):
-        if isinstance(item, Finished):
-            return item
-    raise AssertionError("decode ends with Finished")
+    def _rest(self) -> str:
+        delta, self.sent = self.text[self.sent :], len(self.text)
+        return delta
+
+    def _finished(self, reason: str) -> Finished:
+        return Finished(self.text, reason, self.prompt_tokens, len(self.ids), list(self.ids))

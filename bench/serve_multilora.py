@@ -1,0 +1,311 @@
+"""Multi-LoRA serving throughput: TuneFleet's batched engine against peft, on SmolLM2-135M.
+
+The workload: ``--requests`` greedy requests (prompts of 8-40 tokens), each generating
+exactly ``--new-tokens`` tokens (end of text ignored, so every method does the same work);
+request i uses adapter ``i % N`` for N distinct adapters (LoRA r=16 on q/k/v/o, random B,
+so every adapter changes the outputs). Generated tokens per second for:
+
+- ``tunefleet``: the serving engine, all requests in one continuous batch;
+- ``peft_set_adapter``: (a) a plain peft server, ``set_adapter`` then ``generate`` per
+  request (timed on a sample of the requests: its rate does not depend on how many);
+- ``peft_mixed_batch``: (b) peft's ``adapter_names=`` mixed batch, one ``generate`` over
+  every request (left-padded);
+- ``merged``: (c) the upper bound, one adapter merged into the base (``merge_and_unload``)
+  decoded by the same engine with no LoRA at all.
+
+Every configuration runs ``--repeats`` times in alternation and the best rate is kept
+(the machine is shared). Also the cold load of an adapter (artifact folder to ready to
+serve) for r=16, median of every load. Writes ``bench/results/serve_multilora.json`` and
+a plot ``serve_multilora.png``; the targets of issue 7 are checked and printed, not
+asserted.
+
+    .venv/bin/python bench/serve_multilora.py            # ~10 min on 2 CPU cores
+    .venv/bin/python bench/serve_multilora.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from tinyllm import save_random_lora  # noqa: E402
+from tunefleet.platform.models import BUILTIN_MODEL, ModelRegistry  # noqa: E402
+from tunefleet.platform.settings import get_settings  # noqa: E402
+from tunefleet.workers.model_registry import prepare_builtin  # noqa: E402
+from tunefleet.workers.serve.engine import BatchEngine, generate_all  # noqa: E402
+from tunefleet.workers.serve.generate import Sampling  # noqa: E402
+from tunefleet.workers.serve.multilora import AdapterCache, MultiLoraModel  # noqa: E402
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def load_base(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def make_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "red",
+        "apples",
+        "fall",
+    ]
+    prompts = []
+    for i in range(n):
+        length = 8 + (i * 7) % 33  # 8..40 tokens, varied
+        text = " ".join(words[(i + j) % len(words)] for j in range(length))
+        prompts.append(tokenizer(text)["input_ids"][:length])
+    return prompts
+
+
+def run_tunefleet(
+    model_path: Path,
+    folder: Path,
+    prompts: list[list[int]],
+    n_adapters: int,
+    new: int,
+    tokenizer: Any,
+) -> float:
+    lora = MultiLoraModel(load_base(model_path), max_adapters=max(n_adapters, 1))
+    cache = AdapterCache(lora, locate=lambda a: folder / a)
+    engine = BatchEngine(lora, set(), max_batch_size=len(prompts))
+    slots = [cache.acquire(f"ad{i % n_adapters}", hold=False) for i in range(len(prompts))]
+    sampling = Sampling(max_tokens=new, temperature=0)
+    generate_all(engine, tokenizer, [(prompts[0], Sampling(2, 0), slots[0])])  # warm-up
+    started = time.perf_counter()
+    done = generate_all(
+        engine, tokenizer, [(p, sampling, s) for p, s in zip(prompts, slots, strict=True)]
+    )
+    elapsed = time.perf_counter() - started
+    assert all(d.completion_tokens == new for d in done)
+    return len(prompts) * new / elapsed
+
+
+def run_merged(
+    model_path: Path, folder: Path, prompts: list[list[int]], new: int, tokenizer: Any
+) -> float:
+    from peft import PeftModel
+
+    merged = PeftModel.from_pretrained(load_base(model_path), folder / "ad0").merge_and_unload()
+    engine = BatchEngine(MultiLoraModel(merged, max_adapters=1), set(), max_batch_size=len(prompts))
+    sampling = Sampling(max_tokens=new, temperature=0)
+    generate_all(engine, tokenizer, [(prompts[0], Sampling(2, 0), 0)])
+    started = time.perf_counter()
+    generate_all(engine, tokenizer, [(p, sampling, 0) for p in prompts])
+    return len(prompts) * new / (time.perf_counter() - started)
+
+
+def _peft_with(model_path: Path, folder: Path, n_adapters: int) -> Any:
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(load_base(model_path), folder / "ad0", adapter_name="ad0")
+    for i in range(1, n_adapters):
+        model.load_adapter(folder / f"ad{i}", adapter_name=f"ad{i}")
+    return model.eval()
+
+
+def _generate(model: Any, batch: list[list[int]], new: int, pad: int, **kwargs: Any) -> None:
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad,
+            **kwargs,
+        )
+    assert out.shape[1] == width + new
+
+
+def run_peft_set_adapter(
+    model: Any, prompts: list[list[int]], n_adapters: int, new: int, pad: int, sample: int
+) -> float:
+    _generate(model, [prompts[0]], 2, pad)
+    started = time.perf_counter()
+    for i, p in enumerate(prompts[:sample]):
+        model.set_adapter(f"ad{i % n_adapters}")
+        _generate(model, [p], new, pad)
+    return sample * new / (time.perf_counter() - started)
+
+
+def run_peft_mixed(
+    model: Any, prompts: list[list[int]], n_adapters: int, new: int, pad: int
+) -> float:
+    names = [f"ad{i % n_adapters}" for i in range(len(prompts))]
+    _generate(model, prompts[:2], 2, pad, adapter_names=names[:2])
+    started = time.perf_counter()
+    _generate(model, prompts, new, pad, adapter_names=names)
+    return len(prompts) * new / (time.perf_counter() - started)
+
+
+def cold_loads(model_path: Path, folder: Path, n: int) -> list[float]:
+    lora = MultiLoraModel(load_base(model_path), max_adapters=n)
+    cache = AdapterCache(lora, locate=lambda a: folder / a)
+    cache.acquire("ad0", hold=False)  # first load also wraps the layers; not a cold load
+    times = []
+    for i in range(1, n):
+        cache.acquire(f"ad{i}", hold=False)
+        times.append(cache.load_time(f"ad{i}"))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--adapters", default="1,8,32,128")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--sample", type=int, default=16, help="requests timed for (a)")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.new_tokens, args.adapters, args.repeats = 16, 4, "1,4,16", 1
+        args.sample = 4
+    counts = [int(c) for c in args.adapters.split(",")]
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    from transformers import AutoTokenizer
+
+    model_path = prepare_builtin(ModelRegistry(get_settings().resolved_model_registry))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompts = make_prompts(tokenizer, args.requests)
+    rates: dict[str, dict[int, float]] = {
+        "tunefleet": {},
+        "peft_set_adapter": {},
+        "peft_mixed_batch": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        base = load_base(model_path)
+        for i in range(max(counts)):
+            save_random_lora(
+                base, folder / f"ad{i}", r=16, alpha=32, targets=TARGETS, seed=i, std=0.02
+            )
+        del base
+        loads = cold_loads(model_path, folder, min(max(counts), 64))
+        merged = 0.0
+        for rep in range(args.repeats):
+            merged = max(
+                merged, run_merged(model_path, folder, prompts, args.new_tokens, tokenizer)
+            )
+            print(f"[{rep}] merged: {merged:.1f} tok/s", flush=True)
+            for n in counts:
+                tf = run_tunefleet(model_path, folder, prompts, n, args.new_tokens, tokenizer)
+                rates["tunefleet"][n] = max(rates["tunefleet"].get(n, 0), tf)
+                gc.collect()
+                peft = _peft_with(model_path, folder, n)
+                a = run_peft_set_adapter(peft, prompts, n, args.new_tokens, pad, args.sample)
+                b = run_peft_mixed(peft, prompts, n, args.new_tokens, pad)
+                del peft
+                gc.collect()
+                rates["peft_set_adapter"][n] = max(rates["peft_set_adapter"].get(n, 0), a)
+                rates["peft_mixed_batch"][n] = max(rates["peft_mixed_batch"].get(n, 0), b)
+                print(
+                    f"[{rep}] {n:>3} adapters: tunefleet {tf:.1f}, peft set_adapter {a:.1f},"
+                    f" peft mixed {b:.1f} tok/s",
+                    flush=True,
+                )
+
+    tf = rates["tunefleet"]
+    mid = 32 if 32 in tf else counts[len(counts) // 2]
+    top = max(counts)
+    figures = {
+        f"vs_set_adapter_at_{mid}": tf[mid] / rates["peft_set_adapter"][mid],
+        f"vs_mixed_batch_at_{mid}": tf[mid] / rates["peft_mixed_batch"][mid],
+        f"loss_at_{top}_vs_1": 1 - tf[top] / tf[1],
+        "single_adapter_overhead_vs_merged": 1 - tf[1] / merged,
+        "cold_load_median_ms": statistics.median(loads) * 1000,
+    }
+    checks = {
+        f"at {mid} adapters >= 10x peft set_adapter": figures[f"vs_set_adapter_at_{mid}"] >= 10,
+        f"at {mid} adapters >= 2x peft mixed batch": figures[f"vs_mixed_batch_at_{mid}"] >= 2,
+        f"{top} adapters within 20% of 1": figures[f"loss_at_{top}_vs_1"] <= 0.20,
+        "single adapter within 25% of merged": figures["single_adapter_overhead_vs_merged"] <= 0.25,
+        "median cold load < 50 ms (r=16)": figures["cold_load_median_ms"] < 50,
+    }
+    result = {
+        "model": BUILTIN_MODEL,
+        "requests": args.requests,
+        "new_tokens": args.new_tokens,
+        "rank": 16,
+        "target_modules": list(TARGETS),
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "tokens_per_s": {k: {str(n): round(v, 2) for n, v in d.items()} for k, d in rates.items()}
+        | {"merged": round(merged, 2)},
+        "figures": {k: round(v, 4) for k, v in figures.items()},
+        "targets_met": checks,
+    }
+    out = (
+        ROOT
+        / "bench"
+        / "results"
+        / ("serve_multilora_quick.json" if args.quick else "serve_multilora.json")
+    )
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"), counts)
+    print(json.dumps(result, indent=2))
+
+
+def plot(result: dict[str, Any], path: Path, counts: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    labels = {
+        "tunefleet": "TuneFleet batched",
+        "peft_mixed_batch": "peft adapter_names batch",
+        "peft_set_adapter": "peft set_adapter per request",
+    }
+    for key, label in labels.items():
+        ys = [result["tokens_per_s"][key][str(n)] for n in counts]
+        ax.plot(counts, ys, marker="o", label=label)
+    ax.axhline(
+        result["tokens_per_s"]["merged"],
+        linestyle="--",
+        color="grey",
+        label="merged single adapter",
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("distinct adapters in the batch")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(f"{result['model']}, {result['requests']} requests, CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""How adapters are served, as the database records it: the one place replicas read and
+the API writes.
+
+Each serving replica polls :func:`serving_config` for its base model and applies it (merged
+copies built or dropped, adapters pinned or released), so a change made through the API
+reaches every replica, including ones autoscaling starts later, without a restart.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
+from tunefleet.platform.db import Adapter, AdapterShare, Tenant
+from tunefleet.platform.errors import InvalidRequest, NotFound
+
+ServingMode = Literal["multiplexed", "merged"]
+
+
+def serving_config(session: Session, base_model: str) -> dict[str, list[str]]:
+    """``{"merged": [adapter ids], "pinned": [adapter ids]}`` of one base model (adapter id =
+    the job that made it, its artifact key)."""
+    rows = session.execute(
+        select(Adapter.job_id, Adapter.serving_mode, Adapter.pinned)
+        .where(
+            Adapter.base_model == base_model,
+            or_(Adapter.serving_mode == "merged", Adapter.pinned.is_(True)),
+        )
+        .order_by(Adapter.job_id)
+    )
+    merged, pinned = [], []
+    for job_id, mode, pin in rows:
+        if mode == "merged":
+            merged.append(job_id)
+        if pin:
+            pinned.append(job_id)
+    return {"merged": merged, "pinned": pinned}
+
+
+def describe(adapter: Adapter) -> dict[str, object]:
+    return {
+        "model": adapter.name,
+        "base_model": adapter.base_model,
+        "serving_mode": adapter.serving_mode,
+        "pinned": adapter.pinned,
+    }
+
+
+def _shared_with(tenant_id: str) -> Any:
+    return select(AdapterShare.adapter_id).where(AdapterShare.tenant_id == tenant_id)
+
+
+def visible_adapter(session: Session, tenant_id: str, name: str) -> Adapter | None:
+    """The adapter called ``name`` if the tenant owns it or it is shared with the tenant."""
+    return session.scalar(
+        select(Adapter).where(
+            Adapter.name == name,
+            or_(Adapter.tenant_id == tenant_id, Adapter.id.in_(_shared_with(tenant_id))),
+        )
+    )
+
+
+def visible_adapters(session: Session, tenant_id: str) -> list[tuple[Adapter, str]]:
+    """(adapter, owner tenant name) of every adapter the tenant owns or may call."""
+    rows = session.execute(
+        select(Adapter, Tenant.name)
+        .join(Tenant, Tenant.id == Adapter.tenant_id)
+        .where(or_(Adapter.tenant_id == tenant_id, Adapter.id.in_(_shared_with(tenant_id))))
+        .order_by(Adapter.created_at, Adapter.id)
+    )
+    return [(a, name) for a, name in rows]
+
+
+def owned_adapter(session: Session, tenant_id: str, name: str) -> Adapter:
+    adapter = session.scalar(
+        select(Adapter).where(Adapter.name == name, Adapter.tenant_id == tenant_id)
+    )
+    if adapter is None:
+        raise NotFound(
+            f"no model named {name!r} of yours; list yours with GET /v1/models",
+            param="model",
+            code="model_not_found",
+        )
+    return adapter
+
+
+def shares(session: Session, adapter: Adapter) -> list[str]:
+    """Names of the tenants an adapter is shared with."""
+    return list(
+        session.scalars(
+            select(Tenant.name)
+            .join(AdapterShare, AdapterShare.tenant_id == Tenant.id)
+            .where(AdapterShare.adapter_id == adapter.id)
+            .order_by(Tenant.name)
+        )
+    )
+
+
+def share(session: Session, adapter: Adapter, tenant_name: str) -> None:
+    """Let tenant ``tenant_name`` call ``adapter`` (idempotent)."""
+    tenant = session.scalar(select(Tenant).where(Tenant.name == tenant_name))
+    if tenant is None:
+        raise NotFound(f"no tenant named {tenant_name!r}", param="tenant")
+    if tenant.id == adapter.tenant_id:
+        raise InvalidRequest("an adapter is always visible to its own tenant", param="tenant")
+    if session.get(AdapterShare, (adapter.id, tenant.id)) is None:
+        session.add(AdapterShare(adapter_id=adapter.id, tenant_id=tenant.id))
+        session.flush()
+
+
+def unshare(session: Session, adapter: Adapter, tenant_name: str) -> None:
+    tenant_id = session.scalar(select(Tenant.id).where(Tenant.name == tenant_name))
+    row = session.get(AdapterShare, (adapter.id, tenant_id)) if tenant_id else None
+    if row is None:
+        raise NotFound(
+            f"model {adapter.name!r} is not shared with a tenant named {tenant_name!r}",
+            param="tenant",
+        )
+    session.delete(row)
+    session.flush()
