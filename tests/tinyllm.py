@@ -43,7 +43,9 @@ def build_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-def build_tiny_llama(folder: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64) -> Path:
+def build_tiny_llama(
+    folder: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, bias: bool = False
+) -> Path:
     """Write a random Llama (safetensors) and the tokenizer into ``folder``."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -63,6 +65,8 @@ def build_tiny_llama(folder: Path, *, seed: int = 0, layers: int = 2, hidden: in
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        attention_bias=bias,  # biases for BitFit
+        mlp_bias=bias,
         # Larger than Llama's 0.02 so a frozen random head can still express a confident
         # next token: LoRA on the body then learns a synthetic task in a few steps.
         initializer_range=0.2,

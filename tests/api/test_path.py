@@ -169,3 +169,52 @@ def test_models_lists_registry(app_client: TestClient, key_a: str) -> None:
         "/v1/chat/completions", headers=H(key_a), json={"model": "ft:nope", "messages": []}
     )
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_training_options_are_stored_and_hardware_needs_named(
+    app_client: TestClient, key_a: str
+) -> None:
+    """Methods, precisions and optimizers reach the stored spec; what needs a GPU is a 422
+    for CPU workers naming the option; BitFit on a model without biases is a 400."""
+    f = upload(app_client, key_a, json.dumps(CHAT).encode())
+
+    def create(tunefleet: dict) -> tuple[int, dict]:  # type: ignore[type-arg]
+        resp = app_client.post(
+            "/v1/fine_tuning/jobs",
+            headers=H(key_a),
+            json={"model": TINY, "training_file": f["id"], "tunefleet": tunefleet},
+        )
+        return resp.status_code, resp.json()
+
+    status, job = create(
+        {
+            "method": "qlora",
+            "precision": "bf16",
+            "optimizer": "adamw_8bit",
+            "packing": True,
+            "lora": {"use_dora": True},
+            "qlora": {"quant_type": "fp4"},
+        }
+    )
+    assert status == 200, job
+    stored = job["tunefleet"]
+    assert (stored["method"], stored["precision"], stored["optimizer"]) == (
+        "qlora",
+        "bf16",
+        "adamw_8bit",
+    )
+    assert stored["packing"] is True and stored["qlora"]["quant_type"] == "fp4"
+    assert stored["lora"]["use_dora"] is True
+
+    status, err = create({"precision": "fp8"})
+    assert status == 422 and "'fp8'" in err["error"]["message"]
+    assert "gpus_per_worker" in err["error"]["message"]
+    status, err = create({"optimizer": "paged_adamw_8bit"})
+    assert status == 422 and "'paged_adamw_8bit'" in err["error"]["message"]
+    status, err = create({"precision": "fp8", "resources": {"gpus_per_worker": 1}})
+    assert status != 422  # accepted for GPU workers (the quota may still say no)
+    status, err = create({"method": "bitfit"})
+    assert status == 400 and err["error"]["param"] == "tunefleet.method"
+    assert "bias" in err["error"]["message"]
+    status, err = create({"method": "dreambooth"})
+    assert status == 422 and "'dreambooth'" in err["error"]["message"]

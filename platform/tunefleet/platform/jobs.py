@@ -146,6 +146,15 @@ def create_job(
     with its memory plan for ``device``."""
     registry.require(req.model)
     options = req.tunefleet or TuneFleetOptions()
+    if options.method == "bitfit":
+        config = registry.config(req.model)
+        if not (config.get("attention_bias") or config.get("mlp_bias") or config.get("bias")):
+            raise InvalidRequest(
+                f"BitFit trains only the bias terms, and {req.model!r} has none "
+                "(attention_bias and mlp_bias are off); choose another tunefleet.method, "
+                "e.g. 'lora' or 'ia3'",
+                param="tunefleet.method",
+            )
     gpus = options.resources.num_workers * options.resources.gpus_per_worker
     if gpus > principal.max_gpus:
         raise QuotaExceeded(

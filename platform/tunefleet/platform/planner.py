@@ -364,17 +364,20 @@ class PlanDevice:
 
 
 def plan_input_from_spec(spec: JobSpec) -> PlanInput:
-    """What the training loop will really run for ``spec``: today LoRA in fp32 with DDP
-    across workers, examples up to max_seq_len long, the micro-batch the spec sets (or the
-    global batch split evenly)."""
+    """What the training loop will really run for ``spec``: DDP across workers, examples up
+    to max_seq_len long, the micro-batch the spec sets (or the global batch split evenly).
+    Methods other than full, LoRA and QLoRA train a few parameters on a frozen base and are
+    planned as LoRA (the frozen base dominates); fp8 is planned as bf16."""
     opts = spec.tunefleet
     workers = opts.resources.num_workers
     micro = opts.micro_batch_size or max(1, math.ceil(spec.hyperparameters.batch_size / workers))
+    method: Method = opts.method if opts.method in ("full", "lora", "qlora") else "lora"
+    precision: Precision = "bf16" if opts.precision == "fp8" else opts.precision
     return PlanInput(
-        method="lora",
+        method=method,
         lora_r=opts.lora.r,
         lora_targets=tuple(opts.lora.target_modules),
-        precision="fp32",
+        precision=precision,
         strategy="ddp",
         gradient_checkpointing=opts.gradient_checkpointing is True,
         num_workers=workers,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SPEC_VERSION: Literal[1] = 1
 
@@ -21,8 +21,22 @@ SPEC_VERSION: Literal[1] = 1
 AUTO_N_EPOCHS = 3
 AUTO_BATCH_SIZE = 4
 AUTO_LR_MULTIPLIER = 1.0
-# Base learning rates that learning_rate_multiplier scales, per method.
-BASE_LEARNING_RATE = {"lora": 2e-4, "full": 2e-5}
+# Base learning rates that learning_rate_multiplier scales, per method (the values the
+# methods' papers and peft's examples use).
+BASE_LEARNING_RATE = {
+    "lora": 2e-4,
+    "qlora": 2e-4,
+    "full": 2e-5,
+    "ia3": 3e-3,
+    "prefix_tuning": 1e-2,
+    "prompt_tuning": 3e-2,
+    "bitfit": 1e-3,
+    "adapter": 5e-4,
+}
+Method = Literal[
+    "lora", "qlora", "full", "ia3", "prefix_tuning", "prompt_tuning", "bitfit", "adapter"
+]
+PEFT_METHODS = ("lora", "qlora", "ia3", "prefix_tuning", "prompt_tuning")
 
 
 class _Frozen(BaseModel):
@@ -40,6 +54,48 @@ class LoraOptions(_Frozen):
         min_length=1,
         description="Module names that get an adapter, or ['all-linear'].",
     )
+    use_rslora: bool = Field(
+        default=False, description="rsLoRA: scale by alpha/sqrt(r) instead of alpha/r."
+    )
+    use_dora: bool = Field(
+        default=False,
+        description="DoRA: learn a magnitude per output and a LoRA direction (served merged).",
+    )
+
+
+class QLoraOptions(_Frozen):
+    """How QLoRA quantizes the frozen base (bitsandbytes)."""
+
+    quant_type: Literal["nf4", "fp4"] = Field(default="nf4", description="4-bit data type.")
+    double_quant: bool = Field(default=True, description="Quantize the quantization constants.")
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="bfloat16", description="dtype the 4-bit weights are de-quantized to."
+    )
+
+
+class IA3Options(_Frozen):
+    """(IA)^3: learned vectors that rescale keys, values and feed-forward activations."""
+
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["k_proj", "v_proj", "down_proj"], min_length=1
+    )
+    feedforward_modules: list[str] = Field(
+        default_factory=lambda: ["down_proj"],
+        description="Targets whose input (not output) is rescaled; a subset of targets.",
+    )
+
+
+class VirtualTokenOptions(_Frozen):
+    """Prompt and prefix tuning: learned virtual tokens in front of every example."""
+
+    num_virtual_tokens: int = Field(default=16, ge=1, le=512)
+
+
+class BottleneckOptions(_Frozen):
+    """A bottleneck adapter (Houlsby-style): after every decoder block,
+    ``h + up(gelu(down(h)))`` with ``up`` starting at zero."""
+
+    bottleneck: int = Field(default=64, ge=1, le=8192, description="Hidden size of the MLP.")
 
 
 class Resources(_Frozen):
@@ -53,10 +109,40 @@ class Resources(_Frozen):
 class TuneFleetOptions(_Frozen):
     """TuneFleet's own controls, sent under ``tunefleet`` in the create body."""
 
-    method: Literal["lora"] = Field(default="lora", description="Fine-tuning method.")
-    lora: LoraOptions = Field(default_factory=LoraOptions, description="LoRA parameters.")
+    method: Method = Field(
+        default="lora",
+        description="Fine-tuning method: lora, qlora (LoRA on a 4-bit base), full, ia3, "
+        "prefix_tuning, prompt_tuning, bitfit (biases only), adapter (bottleneck MLPs).",
+    )
+    lora: LoraOptions = Field(
+        default_factory=LoraOptions, description="LoRA parameters (lora and qlora)."
+    )
+    qlora: QLoraOptions = Field(default_factory=QLoraOptions, description="QLoRA quantization.")
+    ia3: IA3Options = Field(default_factory=IA3Options, description="(IA)^3 targets.")
+    virtual_tokens: VirtualTokenOptions = Field(
+        default_factory=VirtualTokenOptions, description="Prompt and prefix tuning."
+    )
+    adapter: BottleneckOptions = Field(
+        default_factory=BottleneckOptions, description="Bottleneck adapter size."
+    )
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field(
+        default="fp32",
+        description="fp32; bf16 autocast (fp32 master weights and optimizer states; a "
+        "frozen base is stored in bf16); fp16 autocast with dynamic loss scaling; fp8 "
+        "(GPUs of compute capability 8.9+ only).",
+    )
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field(
+        default="adamw",
+        description="AdamW (fused or foreach), bitsandbytes' 8-bit AdamW, or its paged "
+        "variant (GPUs only).",
+    )
     max_seq_len: int = Field(
         default=512, ge=8, le=1_048_576, description="Tokens per example; longer are truncated."
+    )
+    packing: bool = Field(
+        default=False,
+        description="Pack several examples into each row of max_seq_len tokens; documents "
+        "never attend to each other and positions restart in each.",
     )
     max_steps: int | None = Field(
         default=None, ge=1, description="Stop after this many optimizer steps (None: epochs)."
@@ -79,6 +165,24 @@ class TuneFleetOptions(_Frozen):
     )
     resources: Resources = Field(default_factory=Resources, description="Cluster resources.")
     priority: int = Field(default=0, ge=-100, le=100, description="Higher runs first.")
+
+    @model_validator(mode="after")
+    def _hardware(self) -> TuneFleetOptions:
+        """Options that need a GPU are refused for CPU workers, naming the option."""
+        opts = self
+        if opts.resources.gpus_per_worker == 0:
+            if opts.precision == "fp8":
+                raise ValueError(
+                    "tunefleet.precision 'fp8' needs GPUs of compute capability 8.9 or "
+                    "newer (Hopper, Ada); this job asks for CPU workers "
+                    "(resources.gpus_per_worker = 0): use 'bf16'"
+                )
+            if opts.optimizer == "paged_adamw_8bit":
+                raise ValueError(
+                    "tunefleet.optimizer 'paged_adamw_8bit' pages optimizer states through "
+                    "CUDA unified memory and needs GPU workers; use 'adamw_8bit' on CPU"
+                )
+        return self
 
 
 class Hyperparameters(_Frozen):

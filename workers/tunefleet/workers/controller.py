@@ -448,6 +448,8 @@ class Controller:
                     name=name,
                     base_model=job.model,
                     path=key,
+                    # (IA)^3 vectors scale activations: served merged into the base
+                    serving_mode="merged" if spec.tunefleet.method == "ia3" else "multiplexed",
                 )
             )
             transition(

@@ -385,10 +385,10 @@ class LoraServer:
         self, req: _GenerationRequest, prompts: list[list[int]], max_new: int, *, chat: bool
     ) -> Any:
         adapter_id = serve.get_multiplexed_model_id()
-        engine, slot = self.engine, 0
-        if adapter_id in self.merged:
-            engine = self.merged[adapter_id]
-        elif adapter_id:
+        slot = 0
+        merged = self.merged.get(adapter_id) if adapter_id else None
+        engine = merged or self.engine
+        if adapter_id and merged is None:
             if not self.store.exists(self.store.adapter_key(adapter_id)):
                 return _error(
                     404, f"adapter {adapter_id!r} is not in the artifact store", "model_not_found"

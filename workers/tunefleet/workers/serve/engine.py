@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,26 +104,34 @@ class BatchEngine:
         self._thread = threading.Thread(target=self._run, name="batch-engine", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 120) -> None:
+        """Stop taking work; requests already submitted are finished first."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout)
+        while True:  # what raced in after the last step: told, not left waiting
+            try:
+                req = self.pending.get_nowait()
+            except queue.Empty:
+                break
+            req.sink(None, RuntimeError("this adapter's serving mode changed; retry"))
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() or self.busy:
+            first = None
             if not self.active:
                 try:
                     first = self.pending.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                self.pending.put(first)
                 # a short window so requests arriving together share the prefill
-                self._stop.wait(self.batch_wait_s)
-            self.step()
+                time.sleep(self.batch_wait_s)
+            self.step(first)
 
-    def step(self) -> None:
-        """Admit what is waiting (up to the batch size), then one decode step for all."""
-        new: list[Request] = []
+    def step(self, first: Request | None = None) -> None:
+        """Admit what is waiting (``first``, then the queue, up to the batch size), then one
+        decode step for all."""
+        new: list[Request] = [first] if first is not None and not first.cancelled else []
         try:
             self._drop_finished()
             while len(self.active) + len(new) < self.max_batch_size:

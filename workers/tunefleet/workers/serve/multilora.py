@@ -160,16 +160,26 @@ def read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     refusing what batched serving cannot apply exactly."""
     config_path = folder / "adapter_config.json"
     weights_path = folder / "adapter_model.safetensors"
+    method_path = folder / "tunefleet_method.json"
+    if method_path.is_file():
+        method = json.loads(method_path.read_text()).get("method")
+        raise AdapterError(
+            f"the model at {folder} was trained with method {method!r}; TuneFleet serves "
+            "LoRA and QLoRA fine-tunes (batched) and IA3 (merged)"
+        )
     if not config_path.is_file() or not weights_path.is_file():
         raise AdapterError(
             f"{folder} is not a peft adapter folder (needs adapter_config.json and "
             "adapter_model.safetensors; only safetensors are read)"
         )
     config = json.loads(config_path.read_text())
-    if config.get("peft_type", "LORA") != "LORA":
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type == "IA3":
+        raise AdapterError(f"adapter at {folder} is IA3: serve it merged")
+    if peft_type != "LORA":
         raise AdapterError(
-            f"adapter at {folder} is {config.get('peft_type')}; batched serving applies "
-            "LoRA adapters only"
+            f"adapter at {folder} is {peft_type}; TuneFleet serves LoRA and QLoRA "
+            "fine-tunes (batched) and IA3 (merged)"
         )
     if config.get("use_dora"):
         raise AdapterError(

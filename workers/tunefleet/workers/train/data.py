@@ -149,3 +149,63 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
         labels[row, :n] = torch.tensor(ex.labels)
         mask[row, :n] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+@dataclass
+class PackedRow:
+    """Several examples laid end to end in one row of at most ``max_seq_len`` tokens."""
+
+    input_ids: list[int]
+    labels: list[int]
+    lengths: list[int]  # of each document, in order
+
+
+def pack(examples: list[Example], max_seq_len: int) -> list[PackedRow]:
+    """First-fit-decreasing packing of examples into rows of ``max_seq_len`` tokens; the
+    first label of every document is ignored (nothing before it in its document predicts
+    it). Deterministic for a given list."""
+    rows: list[PackedRow] = []
+    space: list[int] = []
+    for ex in sorted(examples, key=lambda e: -len(e.input_ids)):
+        n = len(ex.input_ids)
+        labels = [IGNORE, *ex.labels[1:]]
+        for i, free in enumerate(space):
+            if free >= n:
+                rows[i].input_ids += ex.input_ids
+                rows[i].labels += labels
+                rows[i].lengths.append(n)
+                space[i] -= n
+                break
+        else:
+            rows.append(PackedRow(list(ex.input_ids), labels, [n]))
+            space.append(max_seq_len - n)
+    return rows
+
+
+def collate_packed(rows: list[PackedRow], pad_id: int) -> dict[str, torch.Tensor]:
+    """A packed batch: position ids restart at 0 in every document, and a block-diagonal
+    causal attention mask (``[batch, 1, T, T]``, True = may attend) keeps documents from
+    seeing each other; padding attends only to itself."""
+    width = max(len(r.input_ids) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    doc = torch.full((len(rows), width), -1, dtype=torch.long)
+    for row, r in enumerate(rows):
+        n = len(r.input_ids)
+        ids[row, :n] = torch.tensor(r.input_ids)
+        labels[row, :n] = torch.tensor(r.labels)
+        start = 0
+        for d, length in enumerate(r.lengths):
+            positions[row, start : start + length] = torch.arange(length)
+            doc[row, start : start + length] = d
+            start += length
+        doc[row, n:] = torch.arange(len(r.lengths), len(r.lengths) + width - n)  # pads: alone
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    mask = (doc[:, :, None] == doc[:, None, :]) & causal
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": positions,
+        "attention_mask": mask[:, None],
+    }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -19,36 +20,52 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from peft import LoraConfig, get_peft_model
 from sqlalchemy import select
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_linear_schedule_with_warmup
+from transformers import AutoTokenizer, get_linear_schedule_with_warmup
 
 from tunefleet.platform.db import Job, session_scope
 from tunefleet.platform.progress import record_checkpoint, record_message, record_metrics
 from tunefleet.platform.spec import JobSpec
 from tunefleet.workers.train import checkpoint as ckpt_files
-from tunefleet.workers.train.data import collate, epoch_order, load_dataset
+from tunefleet.workers.train.data import collate, collate_packed, epoch_order, load_dataset, pack
+from tunefleet.workers.train.methods import build_model
 
 
-def build_model(spec: JobSpec, model_path: str) -> Any:
-    torch.manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    if spec.tunefleet.gradient_checkpointing is True:
-        # Non-reentrant checkpointing needs no input that requires grad, so it works with
-        # frozen embeddings under LoRA.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = spec.tunefleet.lora
-    targets: list[str] | str = (
-        "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
-    )
-    config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=targets,
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
+def make_optimizer(spec: JobSpec, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW (foreach), or bitsandbytes' 8-bit AdamW (its paged variant on GPUs)."""
+    name = spec.tunefleet.optimizer
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=0.0, foreach=True)
+    from bitsandbytes import optim as bnb_optim
+
+    cls: Any = getattr(bnb_optim, "PagedAdamW8bit" if name == "paged_adamw_8bit" else "AdamW8bit")
+    optimizer: torch.optim.Optimizer = cls(params, lr=spec.learning_rate, weight_decay=0.0)
+    return optimizer
+
+
+def precision_context(spec: JobSpec, device_type: str) -> Any:
+    """Autocast for bf16 and fp16 (weights and optimizer states stay fp32); nothing for fp32
+    (fp8 converts the linear layers instead, see ``enable_fp8``)."""
+    precision = spec.tunefleet.precision
+    if precision in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return torch.autocast(device_type=device_type, dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def enable_fp8(model: Any) -> None:
+    """Float8 training of the linear layers (torchao), on GPUs of compute capability 8.9+."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        raise RuntimeError(
+            "tunefleet.precision 'fp8' needs a GPU of compute capability 8.9 or newer "
+            "(Hopper, Ada); this worker has "
+            + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
+        )
+    try:
+        from torchao.float8 import convert_to_float8_training  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise RuntimeError("tunefleet.precision 'fp8' needs torchao on the workers") from exc
+    convert_to_float8_training(model)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -66,32 +83,48 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if tokenizer.pad_token_id is not None
         else (tokenizer.eos_token_id or 0)
     )
-    model = build_model(spec, config["model_path"])
-    trainable, total = model.get_nb_trainable_parameters()
-    model = ray.train.torch.prepare_model(model, parallel_strategy="ddp" if world > 1 else None)
-    peft_model = model.module if hasattr(model, "module") else model
+    built = build_model(spec, config["model_path"])
+    trainable, total = built.trainable, built.total
+    device_type = ray.train.torch.get_device().type
+    if spec.tunefleet.precision == "fp8":
+        enable_fp8(built.model)
+    model = ray.train.torch.prepare_model(
+        built.model, parallel_strategy="ddp" if world > 1 else None
+    )
+    autocast = precision_context(spec, device_type)
+    # fp16 needs dynamic loss scaling: small gradients would underflow to zero
+    scaler = torch.amp.GradScaler(device_type, enabled=spec.tunefleet.precision == "fp16")
     model_load_s = time.perf_counter() - load_started
 
     data = load_dataset(Path(config["train_path"]), tokenizer, spec.tunefleet.max_seq_len)
     if not data.examples:
         raise ValueError("the training file has no example with tokens to learn from")
+    # The unit of a batch: an example, or a row of examples packed end to end.
+    units: list[Any] = (
+        pack(data.examples, spec.tunefleet.max_seq_len)
+        if spec.tunefleet.packing
+        else list(data.examples)
+    )
+
+    def make_batch(picked: list[Any]) -> tuple[dict[str, torch.Tensor], int]:
+        """The model's inputs and their real (not padding) token count."""
+        tokens = sum(len(u.input_ids) for u in picked)
+        if spec.tunefleet.packing:
+            return collate_packed(picked, pad_id), tokens
+        return collate(picked, pad_id), tokens
+
     hp = spec.hyperparameters
     # One optimizer step = `accum` micro-batches of `micro` examples on each of `world`
     # workers: the global batch_size, up to rounding.
     micro = spec.tunefleet.micro_batch_size or max(1, math.ceil(hp.batch_size / world))
     accum = max(1, math.ceil(hp.batch_size / (micro * world)))
     per_step = micro * accum
-    steps_per_epoch = max(1, math.ceil(len(data.examples) / (per_step * world)))
+    steps_per_epoch = max(1, math.ceil(len(units) / (per_step * world)))
     total_steps = steps_per_epoch * hp.n_epochs
     if spec.tunefleet.max_steps is not None:
         total_steps = min(total_steps, spec.tunefleet.max_steps)
 
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=spec.learning_rate,
-        weight_decay=0.0,
-        foreach=True,
-    )
+    optimizer = make_optimizer(spec, [p for p in model.parameters() if p.requires_grad])
     scheduler = get_linear_schedule_with_warmup(
         optimizer, int(spec.tunefleet.warmup_ratio * total_steps), total_steps
     )
@@ -101,7 +134,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as ckpt_dir:
-            saved = ckpt_files.load(Path(ckpt_dir), peft_model, optimizer, scheduler)
+            saved = ckpt_files.load(Path(ckpt_dir), built, optimizer, scheduler, scaler)
             step, trained_tokens = int(saved["step"]), int(saved["trained_tokens"])
     if is_chief:
         with session_scope(db_url) as s:
@@ -109,13 +142,22 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             record_message(
                 s,
                 spec.job_id,
-                f"Training {total_steps} steps on {world} worker(s) ({micro} examples x "
+                f"Training {total_steps} steps of {spec.tunefleet.method} in "
+                f"{spec.tunefleet.precision} on {world} worker(s) ({micro} examples x "
                 f"{accum} micro-batch(es) per worker per step"
                 f"{', gradient checkpointing' if spec.tunefleet.gradient_checkpointing else ''}"
-                f"): {len(data.examples)} examples, {data.truncated} truncated to "
-                f"{spec.tunefleet.max_seq_len} tokens; "
+                f"): {len(data.examples)} examples"
+                f"{f' packed into {len(units)} rows' if spec.tunefleet.packing else ''}, "
+                f"{data.truncated} truncated to {spec.tunefleet.max_seq_len} tokens; "
                 f"{trainable:,} trainable of {total:,} parameters{resumed}",
-                data={"model_load_s": round(model_load_s, 3), "step": step},
+                data={
+                    "model_load_s": round(model_load_s, 3),
+                    "step": step,
+                    "method": spec.tunefleet.method,
+                    "pid": os.getpid(),
+                    "trainable_parameters": trainable,
+                    "total_parameters": total,
+                },
             )
 
     def save_checkpoint(final: bool, metrics: dict[str, Any]) -> None:
@@ -125,10 +167,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             if is_chief:
                 ckpt_files.save(
                     Path(tmp),
-                    peft_model,
+                    built,
+                    spec,
                     optimizer,
                     scheduler,
                     {"step": step, "trained_tokens": trained_tokens},
+                    scaler,
                 )
                 ray.train.report(
                     {**metrics, "step": step, "final": final},
@@ -174,7 +218,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     epoch = step // steps_per_epoch
     last_loss = float("nan")
     while step < total_steps:
-        order = epoch_order(len(data.examples), spec.seed, epoch)
+        order = epoch_order(len(units), spec.seed, epoch)
         # Every rank takes the same number of steps (DDP needs it): short shards wrap.
         mine = order[rank::world] or order
         for local_step in range(step % steps_per_epoch, steps_per_epoch):
@@ -183,18 +227,21 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             picks = [mine[(local_step * per_step + j) % len(mine)] for j in range(per_step)]
             step_loss, local_tokens = 0.0, 0
             for a in range(accum):
-                batch = collate(
-                    [data.examples[i] for i in picks[a * micro : (a + 1) * micro]], pad_id
-                )
+                batch, tokens = make_batch([units[i] for i in picks[a * micro : (a + 1) * micro]])
                 # DDP all-reduces gradients on the last micro-batch only.
                 sync = a == accum - 1 or not hasattr(model, "no_sync")
                 with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]
-                    out = model(**batch)
-                    (out.loss / accum).backward()
+                    with autocast:
+                        out = model(**batch)
+                    scaler.scale(out.loss.float() / accum).backward()
                 step_loss += float(out.loss.detach()) / accum
-                local_tokens += int(batch["attention_mask"].sum())
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+                local_tokens += tokens
+            scaler.unscale_(optimizer)  # true gradients for clipping (no-op unless fp16)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], 1.0
+            )
+            scaler.step(optimizer)  # skipped when fp16 gradients overflowed
+            scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1

@@ -1,0 +1,242 @@
+"""The fine-tuning methods: what each one makes trainable, and how its weights are saved.
+
+- ``lora``, ``qlora`` (LoRA on a base quantized to 4 bits by bitsandbytes), ``ia3``,
+  ``prefix_tuning``, ``prompt_tuning``: peft models; their weights are saved in peft's
+  format (``adapter_config.json`` + ``adapter_model.safetensors``).
+- ``full``: every parameter; ``bitfit``: only the bias terms; ``adapter``: a bottleneck MLP
+  after every decoder block (Houlsby et al.), ``h + up(gelu(down(h)))`` with ``up``
+  starting at zero so training starts from the base model. Their trainable parameters are
+  saved by name in ``trainable.safetensors`` beside ``tunefleet_method.json``.
+
+With bf16 or fp16 precision the frozen base is stored in that dtype and every trainable
+parameter in fp32 (master weights; the optimizer's states follow them); full fine-tuning
+keeps all weights in fp32 and autocasts the compute.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tunefleet.platform.spec import PEFT_METHODS, JobSpec
+
+TRAINABLE_FILE = "trainable.safetensors"
+METHOD_FILE = "tunefleet_method.json"
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Bottleneck(nn.Module):
+    """``h + up(gelu(down(h)))``; ``up`` starts at zero (the block starts as identity)."""
+
+    def __init__(self, hidden: int, size: int):
+        super().__init__()
+        self.down = nn.Linear(hidden, size)
+        self.up = nn.Linear(size, hidden)
+        nn.init.zeros_(self.up.weight)
+        nn.init.zeros_(self.up.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        delta: torch.Tensor = self.up(nn.functional.gelu(self.down(h.to(self.down.weight.dtype))))
+        return h + delta.to(h.dtype)
+
+
+def _after_block(module: nn.Module, _inputs: Any, output: Any) -> Any:
+    adapter: Any = module.tunefleet_adapter
+    if isinstance(output, tuple):
+        return (adapter(output[0]), *output[1:])
+    return adapter(output)
+
+
+@dataclass
+class BuiltModel:
+    """The model the loop trains and what it counts."""
+
+    model: Any  # a peft model for the peft methods, the transformers model otherwise
+    method: str
+    trainable: int
+    total: int
+
+    @property
+    def is_peft(self) -> bool:
+        return self.method in PEFT_METHODS
+
+
+def _decoder_layers(model: Any) -> list[nn.Module]:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"{type(model).__name__} has no model.layers: the bottleneck adapter needs a "
+            "decoder-only transformer (Llama-like)"
+        )
+    return list(layers)
+
+
+def load_base(spec: JobSpec, model_path: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    opts = spec.tunefleet
+    kwargs: dict[str, Any] = {}
+    if opts.method == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        q = opts.qlora
+        compute = COMPUTE_DTYPES[q.compute_dtype]
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=q.quant_type,
+            bnb_4bit_use_double_quant=q.double_quant,
+            bnb_4bit_compute_dtype=compute,
+        )
+        kwargs["dtype"] = compute
+    elif opts.method == "full" or opts.precision in ("fp32", "fp8"):
+        kwargs["dtype"] = torch.float32  # full fine-tuning keeps fp32 master weights
+    else:
+        kwargs["dtype"] = DTYPES[opts.precision]  # a frozen base in 16 bits
+    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+
+
+def build_model(spec: JobSpec, model_path: str) -> BuiltModel:
+    """The base with the spec's method applied, seeded by the spec."""
+    from peft import (
+        IA3Config,
+        LoraConfig,
+        PrefixTuningConfig,
+        PromptTuningConfig,
+        get_peft_model,
+        prepare_model_for_kbit_training,
+    )
+
+    torch.manual_seed(spec.seed)
+    opts = spec.tunefleet
+    method = opts.method
+    model = load_base(spec, model_path)
+    checkpointing = opts.gradient_checkpointing is True
+    if checkpointing:
+        # Non-reentrant checkpointing needs no input that requires grad, so it works with
+        # frozen embeddings under LoRA.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if method == "qlora":
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    if method in ("lora", "qlora"):
+        lora = opts.lora
+        config: Any = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules="all-linear"
+            if lora.target_modules == ["all-linear"]
+            else list(lora.target_modules),
+            use_rslora=lora.use_rslora,
+            use_dora=lora.use_dora,
+            task_type="CAUSAL_LM",
+        )
+    elif method == "ia3":
+        config = IA3Config(
+            target_modules=list(opts.ia3.target_modules),
+            feedforward_modules=list(opts.ia3.feedforward_modules),
+            task_type="CAUSAL_LM",
+        )
+    elif method == "prefix_tuning":
+        config = PrefixTuningConfig(
+            num_virtual_tokens=opts.virtual_tokens.num_virtual_tokens, task_type="CAUSAL_LM"
+        )
+    elif method == "prompt_tuning":
+        config = PromptTuningConfig(
+            num_virtual_tokens=opts.virtual_tokens.num_virtual_tokens,
+            prompt_tuning_init="RANDOM",
+            task_type="CAUSAL_LM",
+        )
+    else:
+        config = None
+    if config is not None:
+        model = get_peft_model(model, config)
+        trainable, total = model.get_nb_trainable_parameters()
+    else:
+        _apply_own_method(model, spec)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()  # fp32 master weights for whatever is trained
+    return BuiltModel(model, method, int(trainable), int(total))
+
+
+def _apply_own_method(model: Any, spec: JobSpec) -> None:
+    method = spec.tunefleet.method
+    if method == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if method == "bitfit":
+        biases = [p for name, p in model.named_parameters() if name.endswith(".bias")]
+        if not biases:
+            raise ValueError(
+                f"BitFit trains only bias terms and {spec.model!r} has none; choose another "
+                "tunefleet.method, e.g. 'lora' or 'ia3'"
+            )
+        for p in biases:
+            p.requires_grad_(True)
+        return
+    if method == "adapter":
+        hidden = int(model.config.hidden_size)
+        for layer in _decoder_layers(model):
+            layer.tunefleet_adapter = Bottleneck(hidden, spec.tunefleet.adapter.bottleneck)
+            layer.register_forward_hook(_after_block)
+        return
+    raise ValueError(f"unknown method {method!r}")
+
+
+def trainable_state(built: BuiltModel) -> dict[str, torch.Tensor]:
+    return {
+        name: p.detach().contiguous()
+        for name, p in built.model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def save_weights(folder: Path, built: BuiltModel, spec: JobSpec) -> None:
+    """The method's weights into ``folder`` (peft format, or trainable tensors by name)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if built.is_peft:
+        built.model.save_pretrained(folder, safe_serialization=True)
+        return
+    save_file(trainable_state(built), str(folder / TRAINABLE_FILE))
+    meta = {
+        "method": built.method,
+        "base_model": spec.model,
+        "options": spec.tunefleet.model_dump(mode="json"),
+        "trainable": built.trainable,
+        "total": built.total,
+    }
+    (folder / METHOD_FILE).write_text(json.dumps(meta, indent=2))
+
+
+def load_weights(folder: Path, built: BuiltModel) -> None:
+    if built.is_peft:
+        from peft import set_peft_model_state_dict
+
+        weights = load_file(str(folder / "adapter_model.safetensors"))
+        set_peft_model_state_dict(built.model, weights)
+        return
+    weights = load_file(str(folder / TRAINABLE_FILE))
+    missing = set(trainable_state(built)) - set(weights)
+    if missing:
+        raise ValueError(f"checkpoint at {folder} lacks {len(missing)} trained tensors")
+    with torch.no_grad():
+        params = dict(built.model.named_parameters())
+        for name, value in weights.items():
+            params[name].copy_(value)
