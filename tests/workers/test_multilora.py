@@ -185,6 +185,19 @@ def test_unusable_adapters_are_refused_by_name(
     save_random_lora(other, tmp_path / "other")
     with pytest.raises(AdapterError, match="trained for another base model"):
         cache.acquire("other")
+    deeper = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
+    save_random_lora(deeper, tmp_path / "deeper")  # targets layers 2 and 3 the base lacks
+    with pytest.raises(AdapterError, match="not a linear layer of this base model"):
+        cache.acquire("deeper")
     assert cache.loaded() == []  # nothing half-loaded
 
 

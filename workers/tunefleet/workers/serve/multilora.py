@@ -268,7 +268,10 @@ class MultiLoraModel:
         if name in self.layers:
             return self.layers[name]
         parent_name, _, child = name.rpartition(".")
-        parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        try:
+            parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        except AttributeError:
+            parent = None
         base = getattr(parent, child, None)
         if base is None or not hasattr(base, "in_features"):
             raise AdapterError(
