@@ -172,29 +172,24 @@ def test_unusable_adapters_are_refused_by_name(
     dora.save_pretrained(tmp_path / "dora")
     with pytest.raises(AdapterError, match="DoRA"):
         cache.acquire("dora")
-    other = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+
+    def llama(hidden: int, layers: int) -> Any:
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=64,
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
         )
-    )
+
+    other = llama(hidden=32, layers=1)
     save_random_lora(other, tmp_path / "other")
     with pytest.raises(AdapterError, match="trained for another base model"):
         cache.acquire("other")
-    deeper = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    deeper = llama(hidden=64, layers=4)
     save_random_lora(deeper, tmp_path / "deeper")  # targets layers 2 and 3 the base lacks
     with pytest.raises(AdapterError, match="not a linear layer of this base model"):
         cache.acquire("deeper")

@@ -189,15 +189,9 @@ class _Run:
                 i, token, finish = await queue.get()
                 if finished[i] is not None:
                     continue
-                if isinstance(finish, BaseException):
-                    raise finish
-                if finish is not None:
-                    delta, end = streams[i].finish(finish)
-                else:
-                    delta, stopped = streams[i].push(token)
-                    end = stopped
-                    if stopped is not None:
-                        rows[i].cancel()
+                delta, end = streams[i].feed(token, finish)
+                if end is not None:
+                    rows[i].cancel()  # a stop string ended it; no-op once the row ended
                 finished[i] = end
                 yield i, delta, end
             self.done = [f for f in finished if f is not None]

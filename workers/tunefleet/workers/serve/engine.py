@@ -286,16 +286,10 @@ def generate_all(
 
     def sink_for(i: int) -> Sink:
         def sink(token: int | None, finish: Any) -> None:
-            if isinstance(finish, BaseException):
-                raise finish
-            if finish is not None:
-                done[i] = streams[i].finish(finish)[1]
-                return
-            assert token is not None
-            _, stopped = streams[i].push(token)
-            if stopped is not None:
-                done[i] = stopped
-                requests[i].cancel()
+            _, end = streams[i].feed(token, finish)
+            if end is not None:
+                done[i] = end
+                requests[i].cancel()  # a stop string ended it; no-op once the row ended
 
         return sink
 

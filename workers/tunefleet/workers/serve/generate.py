@@ -84,6 +84,16 @@ class TextStream:
             return delta, None
         return "", None
 
+    def feed(self, token: int | None, finish: Any) -> tuple[str, Finished | None]:
+        """One event of the batch engine's sink: a token, or the finish reason (an exception
+        when the batch failed, raised here)."""
+        if isinstance(finish, BaseException):
+            raise finish
+        if finish is not None:
+            return self.finish(finish)
+        assert token is not None
+        return self.push(token)
+
     def finish(self, reason: str) -> tuple[str, Finished]:
         return self._rest(), self._finished(reason)
 
