@@ -34,6 +34,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -44,6 +45,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def server_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of the server process and its workers so far."""
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -233,8 +240,6 @@ def run_backend(
                 return time.perf_counter() - t0
 
         if os.environ.get("APILOAD_PYSPY"):  # profile one API worker while under load
-            import psutil
-
             worker = psutil.Process(server.pid).children()[-1].pid
             subprocess.Popen(
                 [
@@ -252,7 +257,11 @@ def run_backend(
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
+        cpu0 = server_cpu_s(server.pid)
         wall = asyncio.run(main())
+        # The API's own CPU per request in the closed loop: steadier than throughput on a
+        # shared machine, and what the server's capacity is divided by.
+        api_cpu_ms = 1000 * (server_cpu_s(server.pid) - cpu0) / (len(creates) + len(lists))
         open_loop = asyncio.run(
             offered_load(base, keys, files, clients, rate, duration_s, lists=True, tag="open")
         )
@@ -283,6 +292,7 @@ def run_backend(
                 "create_p99_ms": round(1000 * percentile(creates, 0.99), 1),
                 "list_p50_ms": round(1000 * statistics.median(lists), 1),
                 "list_p99_ms": round(1000 * percentile(lists, 0.99), 1),
+                "api_cpu_ms_per_request": round(api_cpu_ms, 3),
                 "errors": errors[:5],
             },
             "open_loop": open_loop,

@@ -4,10 +4,14 @@ back, events, cancel; and the errors this path promises."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from fastapi.testclient import TestClient
+from sqlalchemy import event, func, select
 
 from conftest import auth as H
+from conftest import upload_chat
+from tunefleet.platform.db import Job, JobEvent, get_engine, session_scope
 from tunefleet.platform.settings import Settings
 
 CHAT = {
@@ -218,3 +222,44 @@ def test_training_options_are_stored_and_hardware_needs_named(
     assert "bias" in err["error"]["message"]
     status, err = create({"method": "dreambooth"})
     assert status == 422 and "'dreambooth'" in err["error"]["message"]
+
+
+def test_a_job_is_stored_in_one_statement_on_postgresql(
+    app_client: TestClient, key_a: str, settings: Settings
+) -> None:
+    """Creation writes the job and its first event in one autocommitted statement on
+    PostgreSQL (no BEGIN/COMMIT round trips), two in a transaction on SQLite; the job and
+    its event are there either way, and an unusable file stores neither."""
+    url = settings.resolved_database_url
+    f = upload_chat(app_client, key_a)
+    body = {"model": "tiny-llama", "training_file": f["id"]}
+    app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body)  # warm the key cache
+    statements: list[tuple[str, bool]] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        # psycopg's connection says whether it runs in autocommit (no BEGIN is sent)
+        autocommit = bool(getattr(cursor.connection, "autocommit", False))
+        statements.append((statement.split(None, 1)[0].upper(), autocommit))
+
+    engine = get_engine(url)
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        job = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body).json()
+        made = list(statements)
+        bad = app_client.post(
+            "/v1/fine_tuning/jobs", headers=H(key_a), json={**body, "training_file": "file-x"}
+        )
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    if url.startswith("postgresql"):
+        assert made == [("WITH", True)]
+    else:
+        assert made == [("INSERT", False), ("INSERT", False)]
+    assert bad.status_code == 404 and "file-x" in bad.json()["error"]["message"]
+    events = app_client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", headers=H(key_a))
+    assert [e["message"] for e in events.json()["data"]] == [
+        f"Created fine-tuning job: {job['id']}"
+    ]
+    with session_scope(url) as s:
+        assert s.scalar(select(func.count()).select_from(Job)) == 2
+        assert s.scalar(select(func.count()).select_from(JobEvent)) == 2

@@ -9,7 +9,7 @@ from fastapi import Depends, Header, Request
 from sqlalchemy.orm import Session
 
 from tunefleet.platform.artifacts import ArtifactStore
-from tunefleet.platform.db import session_factory
+from tunefleet.platform.db import session_factory, single_statement_sessions
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.tenants import Principal, authenticate
@@ -41,11 +41,24 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
         session.close()
 
 
+async def get_statement_session(request: Request) -> AsyncIterator[Session]:
+    """A session for routes that only read or write with one statement (see
+    ``single_statement_sessions``): the hottest job routes."""
+    session = single_statement_sessions(_settings(request).resolved_database_url)()
+    try:
+        yield session
+    finally:
+        session.rollback()
+        session.close()
+
+
 async def get_principal(
-    session: Annotated[Session, Depends(get_session)],
-    authorization: Annotated[str | None, Header()] = None,
+    request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
-    return authenticate(session, authorization)
+    # Its own session, used only when the key is not in the cache (so a request does not
+    # hold two connections for long): key lookups are reads.
+    with single_statement_sessions(_settings(request).resolved_database_url)() as session:
+        return authenticate(session, authorization)
 
 
 async def get_store(request: Request) -> ArtifactStore:
@@ -57,6 +70,7 @@ async def get_registry(request: Request) -> ModelRegistry:
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
+StatementSessionDep = Annotated[Session, Depends(get_statement_session)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 StoreDep = Annotated[ArtifactStore, Depends(get_store)]

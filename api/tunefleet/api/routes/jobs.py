@@ -8,7 +8,14 @@ from fastapi import APIRouter, Header, Query, Request
 from sqlalchemy import Row, select
 from sqlalchemy.exc import IntegrityError
 
-from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep, StoreDep
+from tunefleet.api.deps import (
+    PrincipalDep,
+    RegistryDep,
+    SessionDep,
+    SettingsDep,
+    StatementSessionDep,
+    StoreDep,
+)
 from tunefleet.api.responses import FastJSONResponse
 from tunefleet.platform.db import Checkpoint, Job
 from tunefleet.platform.errors import NotFound, TuneFleetError
@@ -28,14 +35,16 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 # Handlers are ``async def`` and make their few short database calls on the event loop:
 # measured under 32 concurrent clients (bench/api_load.py), FastAPI's thread pool cost
 # more in GIL hand-offs than these sub-millisecond calls block the loop. The busiest
-# routes answer with a JSONResponse of plain JSON types, skipping jsonable_encoder.
+# routes answer with a JSONResponse of plain JSON types, skipping jsonable_encoder. The
+# routes that read, and creation (one statement), use single-statement sessions: in
+# autocommit on PostgreSQL, without BEGIN/COMMIT round trips blocking the loop.
 S = JobStatus
 
 
 @router.post("")
 async def create(
     body: JobCreateRequest,
-    session: SessionDep,
+    session: StatementSessionDep,
     principal: PrincipalDep,
     registry: RegistryDep,
     settings: SettingsDep,
@@ -72,7 +81,7 @@ async def create(
 @router.get("")
 async def list_jobs(
     request: Request,
-    session: SessionDep,
+    session: StatementSessionDep,
     principal: PrincipalDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
@@ -114,7 +123,9 @@ def _metadata_filter(request: Request) -> dict[str, str]:
 
 
 @router.get("/{job_id}")
-async def retrieve(job_id: str, session: SessionDep, principal: PrincipalDep) -> FastJSONResponse:
+async def retrieve(
+    job_id: str, session: StatementSessionDep, principal: PrincipalDep
+) -> FastJSONResponse:
     return FastJSONResponse(job_view(get_job(session, principal, job_id)))
 
 
@@ -156,7 +167,7 @@ async def resume(job_id: str, session: SessionDep, principal: PrincipalDep) -> d
 @router.get("/{job_id}/events")
 async def events(
     job_id: str,
-    session: SessionDep,
+    session: StatementSessionDep,
     principal: PrincipalDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
@@ -171,7 +182,7 @@ async def events(
 @router.get("/{job_id}/checkpoints")
 async def checkpoints(
     job_id: str,
-    session: SessionDep,
+    session: StatementSessionDep,
     principal: PrincipalDep,
     store: StoreDep,
     limit: Annotated[int, Query(ge=1, le=100)] = 10,

@@ -13,7 +13,12 @@ from tunefleet.platform.db.models import (
     Tenant,
     now_s,
 )
-from tunefleet.platform.db.session import get_engine, session_factory, session_scope
+from tunefleet.platform.db.session import (
+    get_engine,
+    session_factory,
+    session_scope,
+    single_statement_sessions,
+)
 
 __all__ = [
     "Adapter",
@@ -30,4 +35,5 @@ __all__ = [
     "now_s",
     "session_factory",
     "session_scope",
+    "single_statement_sessions",
 ]
