@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
+import pytest
+from pydantic import ValidationError
+
+from tunefleet.platform.errors import InvalidRequest
 from tunefleet.platform.planner import (
     GiB,
     ModelShape,
@@ -12,7 +16,9 @@ from tunefleet.platform.planner import (
     lora_params,
     parameter_counts,
     plan_memory,
+    resolve_spec,
 )
+from tunefleet.platform.spec import JobSpec
 
 # Llama-2-7B's config.json (the fields memory depends on); no download needed.
 LLAMA2_7B = ModelShape.from_config({
@@ -145,3 +151,61 @@ def test_70b_full_fine_tune_on_one_24gb_gpu_says_what_is_needed() -> None:
     text = " ".join(advice.reasons)
     assert "nothing fits" in text and "LoRA or QLoRA" in text
     assert "host memory of at least" in text and "ZeRO-3 over at least" in text
+
+
+LLAMA2_7B_CONFIG = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def _spec(**tunefleet: Any) -> JobSpec:
+    return JobSpec.model_validate(
+        {
+            "job_id": "ftjob-1",
+            "tenant_id": "t",
+            "model": "llama-2-7b",
+            "training_file": "file-1",
+            "hyperparameters": {"n_epochs": 1, "batch_size": 64, "learning_rate_multiplier": 1},
+            "seed": 0,
+            "tunefleet": tunefleet,
+        }
+    )
+
+
+def test_auto_strategy_is_settled_by_the_chart_and_a_given_one_is_kept() -> None:
+    gpus = {"resources": {"num_workers": 8, "gpus_per_worker": 1}}
+    # full fine-tuning of 7B: 112 GB of states need ZeRO-3 over 8 x 80 GB
+    full, plan = resolve_spec(
+        LLAMA2_7B_CONFIG, _spec(method="full", **gpus), device_bytes=80 * GiB, host_bytes=0
+    )
+    assert full.tunefleet.strategy == "zero3" and full.tunefleet.gradient_checkpointing is True
+    assert plan["input"]["strategy"] == "zero3"
+    lora, _ = resolve_spec(LLAMA2_7B_CONFIG, _spec(**gpus), device_bytes=80 * GiB, host_bytes=0)
+    assert lora.tunefleet.strategy == "ddp"
+    kept, plan = resolve_spec(
+        LLAMA2_7B_CONFIG, _spec(strategy="zero2", **gpus), device_bytes=80 * GiB, host_bytes=0
+    )
+    assert kept.tunefleet.strategy == "zero2" and plan["input"]["strategy"] == "zero2"
+    # CPU workers cannot offload: the job is refused, saying so
+    cpus = {"resources": {"num_workers": 1}}
+    with pytest.raises(InvalidRequest, match="zero3_offload"):
+        resolve_spec(
+            LLAMA2_7B_CONFIG,
+            _spec(method="full", **cpus),
+            device_bytes=80 * GiB,
+            host_bytes=512 * GiB,
+        )
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"strategy": "zero3_offload"}, "'zero3_offload'"),
+        ({"strategy": "zero3", "method": "prompt_tuning"}, "prompt_tuning"),
+    ],
+)
+def test_strategies_a_job_cannot_use_are_refused(options: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValidationError, match=named):
+        _spec(**options)

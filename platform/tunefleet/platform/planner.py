@@ -293,21 +293,25 @@ def advise(
     global_batch: int,
     host_bytes: float = 256 * GiB,
     headroom: float = 0.9,
+    strategy: Strategy | None = None,
 ) -> Advice:
     """Walk the seeds' chart for a device of ``device_bytes`` (using ``headroom`` of it
     for the plan, the rest for allocator fragmentation and communication buffers); CPU
-    offload must also fit in ``host_bytes`` of host memory per worker."""
+    offload must also fit in ``host_bytes`` of host memory per worker. A given
+    ``strategy`` is kept: only gradient checkpointing and the batch are chosen."""
     budget = device_bytes * headroom
     reasons = [f"budget {_fmt(budget)} of {_fmt(device_bytes)} per device"]
-    path: list[tuple[Strategy, bool]] = [
-        ("ddp", False), ("ddp", True), ("zero3", True), ("zero3_offload", True),
-    ]  # fmt: skip
-    for strategy, ckpt in path:
-        if strategy == "zero3" and inp.num_workers == 1:
+    path: list[tuple[Strategy, bool]] = (
+        [("ddp", False), ("ddp", True), ("zero3", True), ("zero3_offload", True)]
+        if strategy is None
+        else [(strategy, False), (strategy, True)]
+    )
+    for step, ckpt in path:
+        if step == "zero3" and inp.num_workers == 1 and strategy is None:
             continue  # shards nothing on one worker
-        trial = replace(inp, strategy=strategy, gradient_checkpointing=ckpt, per_device_batch=1)
+        trial = replace(inp, strategy=step, gradient_checkpointing=ckpt, per_device_batch=1)
         one = plan_memory(shape, trial)
-        label = strategy + (" + gradient checkpointing" if ckpt else "")
+        label = step + (" + gradient checkpointing" if ckpt else "")
         if one.total > budget:
             reasons.append(f"{label}: {_fmt(one.total)} at batch 1 does not fit")
             continue
@@ -327,7 +331,7 @@ def advise(
             f"{label}: {_fmt(final.total)} at per-device batch {batch} fits; "
             f"{accum} accumulation step(s) reach the global batch {global_batch}"
         )
-        return Advice(strategy, ckpt, True, batch, accum, final, reasons)
+        return Advice(step, ckpt, True, batch, accum, final, reasons)
     # Nothing fits: say what would.
     base = replace(inp, gradient_checkpointing=True, per_device_batch=1)
     floor = plan_memory(shape, replace(base, strategy="zero3_offload"))
@@ -364,7 +368,8 @@ class PlanDevice:
 
 
 def plan_input_from_spec(spec: JobSpec) -> PlanInput:
-    """What the training loop will really run for ``spec``: DDP across workers, examples up
+    """What the training loop will really run for ``spec``: its strategy (DDP while it is
+    still ``auto``) across workers, examples up
     to max_seq_len long, the micro-batch the spec sets (or the global batch split evenly).
     Methods other than full, LoRA and QLoRA train a few parameters on a frozen base and are
     planned as LoRA (the frozen base dominates); fp8 is planned as bf16."""
@@ -378,16 +383,12 @@ def plan_input_from_spec(spec: JobSpec) -> PlanInput:
         lora_r=opts.lora.r,
         lora_targets=tuple(opts.lora.target_modules),
         precision=precision,
-        strategy="ddp",
+        strategy="ddp" if opts.strategy == "auto" else opts.strategy,
         gradient_checkpointing=opts.gradient_checkpointing is True,
         num_workers=workers,
         per_device_batch=micro,
         seq_len=opts.max_seq_len,
     )
-
-
-# What the training loop runs today; the planner may advise more (issue: FSDP).
-SUPPORTED_STRATEGIES = ("ddp",)
 
 
 # Resolved options and plans by everything they depend on: most jobs repeat a few
@@ -428,17 +429,14 @@ def _resolve_spec(
     advice = advise(
         ModelShape.from_config(config), plan_input_from_spec(spec), device_bytes,
         global_batch=spec.hyperparameters.batch_size, host_bytes=host_bytes,
+        strategy=None if opts.strategy == "auto" else opts.strategy,
     )  # fmt: skip
-    if not advice.fits or advice.strategy not in SUPPORTED_STRATEGIES:
-        why = "does not fit" if not advice.fits else f"needs {advice.strategy}"
+    cpu_workers = opts.resources.gpus_per_worker == 0
+    if not advice.fits or (advice.strategy == "zero3_offload" and cpu_workers):
+        why = "does not fit" if not advice.fits else "needs zero3_offload (GPU workers)"
         raise InvalidRequest(
             f"job {why} on workers with {_fmt(device_bytes)} each: "
-            + "; ".join(advice.reasons[1:])
-            + (
-                f"; this training loop runs {', '.join(SUPPORTED_STRATEGIES)} only"
-                if advice.fits
-                else ""
-            ),
+            + "; ".join(advice.reasons[1:]),
             param="tunefleet",
             code="does_not_fit",
         )
@@ -451,7 +449,11 @@ def _resolve_spec(
     resolved = spec.model_copy(
         update={
             "tunefleet": opts.model_copy(
-                update={"gradient_checkpointing": ckpt, "micro_batch_size": micro}
+                update={
+                    "gradient_checkpointing": ckpt,
+                    "micro_batch_size": micro,
+                    "strategy": advice.strategy,
+                }
             )
         }
     )

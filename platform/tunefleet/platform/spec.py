@@ -37,6 +37,11 @@ Method = Literal[
     "lora", "qlora", "full", "ia3", "prefix_tuning", "prompt_tuning", "bitfit", "adapter"
 ]
 PEFT_METHODS = ("lora", "qlora", "ia3", "prefix_tuning", "prompt_tuning")
+# How the workers divide the work: DDP (everything replicated, gradients all-reduced) or
+# FSDP2 sharding each decoder layer's parameters, gradients and optimizer states across
+# the workers: ZeRO-3 frees a layer's gathered parameters after its forward, ZeRO-2 keeps
+# them until the backward; zero3_offload also keeps the shards in host memory (GPUs).
+Strategy = Literal["ddp", "zero2", "zero3", "zero3_offload"]
 
 
 class _Frozen(BaseModel):
@@ -163,12 +168,19 @@ class TuneFleetOptions(_Frozen):
         description="Examples per worker per forward pass; gradient accumulation makes up "
         "the global batch_size. None: the largest the memory planner fits.",
     )
+    strategy: Strategy | Literal["auto"] = Field(
+        default="auto",
+        description="ddp, zero2 or zero3 (FSDP2 sharding per decoder layer), "
+        "zero3_offload (shards in host memory; GPU workers); 'auto' follows the memory "
+        "planner's chart (DDP, DDP + gradient checkpointing, ZeRO-3, ZeRO-3 + offload).",
+    )
     resources: Resources = Field(default_factory=Resources, description="Cluster resources.")
     priority: int = Field(default=0, ge=-100, le=100, description="Higher runs first.")
 
     @model_validator(mode="after")
     def _hardware(self) -> TuneFleetOptions:
-        """Options that need a GPU are refused for CPU workers, naming the option."""
+        """Options that need a GPU are refused for CPU workers, as are strategies the method
+        cannot use, naming the option."""
         opts = self
         if opts.resources.gpus_per_worker == 0:
             if opts.precision == "fp8":
@@ -177,11 +189,26 @@ class TuneFleetOptions(_Frozen):
                     "newer (Hopper, Ada); this job asks for CPU workers "
                     "(resources.gpus_per_worker = 0): use 'bf16'"
                 )
+            if opts.strategy == "zero3_offload":
+                raise ValueError(
+                    "tunefleet.strategy 'zero3_offload' moves parameter shards from GPU to "
+                    "host memory and needs GPU workers (resources.gpus_per_worker > 0); CPU "
+                    "workers already hold them in host memory: use 'zero3'"
+                )
             if opts.optimizer == "paged_adamw_8bit":
                 raise ValueError(
                     "tunefleet.optimizer 'paged_adamw_8bit' pages optimizer states through "
                     "CUDA unified memory and needs GPU workers; use 'adamw_8bit' on CPU"
                 )
+        if opts.strategy in ("zero2", "zero3", "zero3_offload") and opts.method in (
+            "prefix_tuning",
+            "prompt_tuning",
+        ):
+            raise ValueError(
+                f"tunefleet.strategy {opts.strategy!r} shards decoder layers, and "
+                f"{opts.method} trains only its virtual tokens (a few thousand parameters "
+                "outside them): use 'ddp'"
+            )
         return self
 
 

@@ -7,11 +7,18 @@ bitsandbytes nests its 8-bit states in a dict —, plus the CPU random-number st
 ``rng``, so dropout after a resume draws what it would have drawn) and
 ``trainer_state.json`` (step, token count, param groups, the optimizer's other state,
 scheduler and loss-scaler state). No pickle is written or read.
+
+A sharded (FSDP) run saves the full tensors gathered on rank 0 (``sharding.gather_state``):
+its optimizer state is keyed by parameter name instead of index (``optimizer_keys``), and
+is put back into the shards by ``sharding.load_optimizer_state``. Model weights are loaded
+before the model is wrapped or sharded (``load_model``), the rest after the optimizer is
+made (``load_state``).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +39,10 @@ def save(
     scheduler: Any,
     extra: dict[str, Any],
     scaler: Any = None,
+    gathered: dict[str, Any] | None = None,
 ) -> None:
-    save_weights(folder / ADAPTER_DIR, built, spec)
-    opt = optimizer.state_dict()
+    save_weights(folder / ADAPTER_DIR, built, spec, gathered["model"] if gathered else None)
+    opt = gathered["optimizer"] if gathered else optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     _flatten(opt["state"], "", tensors, scalars)
@@ -45,21 +53,27 @@ def save(
         "optimizer_scalars": scalars,
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+        "optimizer_keys": "names" if gathered else "indices",
         **extra,
     }
     (folder / "trainer_state.json").write_text(json.dumps(state))
 
 
-def load(
+def load_model(folder: Path, built: BuiltModel) -> None:
+    """Restore the method's weights (before the model is wrapped or sharded)."""
+    load_weights(folder / ADAPTER_DIR, built)
+
+
+def load_state(
     folder: Path,
-    built: BuiltModel,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     scaler: Any = None,
+    restore_by_name: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Restore the method's weights, optimizer, scheduler and loss scaler; returns the
-    saved extras."""
-    load_weights(folder / ADAPTER_DIR, built)
+    """Restore the optimizer, scheduler and loss scaler; returns the saved extras. An
+    optimizer state keyed by parameter name (a sharded run's) goes to ``restore_by_name``;
+    a sharded run needs one."""
     state = json.loads((folder / "trainer_state.json").read_text())
     tensors = load_file(str(folder / "optimizer.safetensors"))
     torch.set_rng_state(tensors.pop("rng"))
@@ -71,8 +85,19 @@ def load(
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
-    opt_state = {int(idx): values for idx, values in nested.items()}
-    optimizer.load_state_dict({"state": opt_state, "param_groups": state.pop("param_groups")})
+    by_name = state.pop("optimizer_keys", "indices") == "names"
+    if by_name != (restore_by_name is not None):
+        raise ValueError(
+            f"checkpoint at {folder} was written by a "
+            f"{'sharded' if by_name else 'replicated'} run and this run is "
+            f"{'replicated' if by_name else 'sharded'}: resume with the strategy it had"
+        )
+    groups = state.pop("param_groups")
+    if restore_by_name is not None:
+        restore_by_name({"state": nested, "param_groups": groups})
+    else:
+        opt_state = {int(idx): values for idx, values in nested.items()}
+        optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
     scheduler.load_state_dict(state.pop("scheduler"))
     scaler_state = state.pop("scaler", None)
     if scaler is not None and scaler_state:

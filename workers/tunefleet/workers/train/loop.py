@@ -27,6 +27,7 @@ from tunefleet.platform.db import Job, session_scope
 from tunefleet.platform.progress import record_checkpoint, record_message, record_metrics
 from tunefleet.platform.spec import JobSpec
 from tunefleet.workers.train import checkpoint as ckpt_files
+from tunefleet.workers.train import sharding
 from tunefleet.workers.train.data import collate, collate_packed, epoch_order, load_dataset, pack
 from tunefleet.workers.train.methods import build_model
 
@@ -86,11 +87,25 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     built = build_model(spec, config["model_path"])
     trainable, total = built.trainable, built.total
     device_type = ray.train.torch.get_device().type
+    # A resumed run loads the method's weights before the model is wrapped or sharded;
+    # optimizer and scheduler state once they exist (below).
+    resume = contextlib.ExitStack()
+    checkpoint = ray.train.get_checkpoint()
+    ckpt_dir = Path(resume.enter_context(checkpoint.as_directory())) if checkpoint else None
+    if ckpt_dir is not None:
+        ckpt_files.load_model(ckpt_dir, built)
     if spec.tunefleet.precision == "fp8":
         enable_fp8(built.model)
-    model = ray.train.torch.prepare_model(
-        built.model, parallel_strategy="ddp" if world > 1 else None
-    )
+    strategy = "ddp" if spec.tunefleet.strategy == "auto" else spec.tunefleet.strategy
+    sharded = world > 1 and strategy != "ddp"  # one worker has nothing to shard
+    if sharded:
+        model = sharding.shard_model(
+            built.model.to(ray.train.torch.get_device()), strategy, spec.tunefleet.precision
+        )
+    else:
+        model = ray.train.torch.prepare_model(
+            built.model, parallel_strategy="ddp" if world > 1 else None
+        )
     autocast = precision_context(spec, device_type)
     # fp16 needs dynamic loss scaling: small gradients would underflow to zero
     scaler = torch.amp.GradScaler(device_type, enabled=spec.tunefleet.precision == "fp16")
@@ -131,10 +146,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     # --- resume ---------------------------------------------------------------------
     step, trained_tokens = 0, 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as ckpt_dir:
-            saved = ckpt_files.load(Path(ckpt_dir), built, optimizer, scheduler, scaler)
+    with resume:
+        if ckpt_dir is not None:
+            saved = ckpt_files.load_state(
+                ckpt_dir,
+                optimizer,
+                scheduler,
+                scaler,
+                (lambda state: sharding.load_optimizer_state(model, optimizer, state))
+                if sharded
+                else None,
+            )
             step, trained_tokens = int(saved["step"]), int(saved["trained_tokens"])
     if is_chief:
         with session_scope(db_url) as s:
@@ -143,7 +165,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 s,
                 spec.job_id,
                 f"Training {total_steps} steps of {spec.tunefleet.method} in "
-                f"{spec.tunefleet.precision} on {world} worker(s) ({micro} examples x "
+                f"{spec.tunefleet.precision} on {world} worker(s)"
+                f"{f' sharded ({strategy})' if sharded else ''} ({micro} examples x "
                 f"{accum} micro-batch(es) per worker per step"
                 f"{', gradient checkpointing' if spec.tunefleet.gradient_checkpointing else ''}"
                 f"): {len(data.examples)} examples"
@@ -154,6 +177,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     "model_load_s": round(model_load_s, 3),
                     "step": step,
                     "method": spec.tunefleet.method,
+                    "strategy": strategy if world > 1 else "single",
                     "pid": os.getpid(),
                     "trainable_parameters": trainable,
                     "total_parameters": total,
@@ -163,6 +187,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     def save_checkpoint(final: bool, metrics: dict[str, Any]) -> None:
         """Report a checkpoint into the artifact store as ``checkpoints/{job}/step-N``."""
         name = f"step-{step:08d}"
+        # sharded: every rank takes part in gathering the full tensors onto rank 0
+        gathered = sharding.gather_state(model, optimizer) if sharded else None
         with tempfile.TemporaryDirectory() as tmp:
             if is_chief:
                 ckpt_files.save(
@@ -173,6 +199,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     scheduler,
                     {"step": step, "trained_tokens": trained_tokens},
                     scaler,
+                    gathered,
                 )
                 ray.train.report(
                     {**metrics, "step": step, "final": final},
@@ -228,8 +255,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             step_loss, local_tokens = 0.0, 0
             for a in range(accum):
                 batch, tokens = make_batch([units[i] for i in picks[a * micro : (a + 1) * micro]])
-                # DDP all-reduces gradients on the last micro-batch only.
+                # DDP all-reduces (FSDP reduce-scatters) gradients on the last micro-batch
+                # only.
                 sync = a == accum - 1 or not hasattr(model, "no_sync")
+                if sharded:
+                    model.set_requires_gradient_sync(a == accum - 1)  # type: ignore[operator]
                 with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]
                     with autocast:
                         out = model(**batch)
@@ -246,6 +276,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens = global_tokens(local_tokens)
+            norm = float(sharding.local_value(grad_norm))  # on every rank: may communicate
             trained_tokens += tokens
             window_tokens += tokens
             last_loss = step_loss
@@ -255,7 +286,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 metrics = {
                     "train_loss": last_loss,
                     "learning_rate": scheduler.get_last_lr()[0],
-                    "grad_norm": float(grad_norm),
+                    "grad_norm": norm,
                     "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
                     "epoch": epoch + 1,
                 }

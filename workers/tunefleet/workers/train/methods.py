@@ -69,12 +69,15 @@ class BuiltModel:
         return self.method in PEFT_METHODS
 
 
-def _decoder_layers(model: Any) -> list[nn.Module]:
-    layers = getattr(getattr(model, "model", None), "layers", None)
+def decoder_layers(model: Any, purpose: str) -> list[nn.Module]:
+    """The transformer blocks of a transformers model, or of the one a peft model wraps;
+    ``purpose`` names what needs them in the error for other architectures."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(inner, "model", None), "layers", None)
     if layers is None:
         raise ValueError(
-            f"{type(model).__name__} has no model.layers: the bottleneck adapter needs a "
-            "decoder-only transformer (Llama-like)"
+            f"{type(inner).__name__} has no model.layers: {purpose} needs a decoder-only "
+            "transformer (Llama-like)"
         )
     return list(layers)
 
@@ -193,7 +196,7 @@ def _apply_own_method(model: Any, spec: JobSpec) -> None:
         return
     if method == "adapter":
         hidden = int(model.config.hidden_size)
-        for layer in _decoder_layers(model):
+        for layer in decoder_layers(model, "the bottleneck adapter"):
             layer.tunefleet_adapter = Bottleneck(hidden, spec.tunefleet.adapter.bottleneck)
             layer.register_forward_hook(_after_block)
         return
@@ -208,13 +211,18 @@ def trainable_state(built: BuiltModel) -> dict[str, torch.Tensor]:
     }
 
 
-def save_weights(folder: Path, built: BuiltModel, spec: JobSpec) -> None:
-    """The method's weights into ``folder`` (peft format, or trainable tensors by name)."""
+def save_weights(
+    folder: Path, built: BuiltModel, spec: JobSpec, state: dict[str, torch.Tensor] | None = None
+) -> None:
+    """The method's weights into ``folder`` (peft format, or trainable tensors by name):
+    the model's own, or ``state`` (trained tensors by parameter name, gathered from FSDP
+    shards)."""
     folder.mkdir(parents=True, exist_ok=True)
     if built.is_peft:
-        built.model.save_pretrained(folder, safe_serialization=True)
+        given = {} if state is None else {"state_dict": state}
+        built.model.save_pretrained(folder, safe_serialization=True, **given)
         return
-    save_file(trainable_state(built), str(folder / TRAINABLE_FILE))
+    save_file(trainable_state(built) if state is None else state, str(folder / TRAINABLE_FILE))
     meta = {
         "method": built.method,
         "base_model": spec.model,
