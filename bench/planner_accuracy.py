@@ -36,6 +36,16 @@ CASES: list[dict[str, Any]] = [
     {"method": "lora", "targets": ["all-linear"], "batch": 4, "seq": 256, "ckpt": True},
     {"method": "full", "targets": [], "batch": 4, "seq": 256, "ckpt": False},
     {"method": "full", "targets": [], "batch": 2, "seq": 256, "ckpt": False},
+    {
+        "method": "lora",
+        "targets": ["all-linear"],
+        "batch": 4,
+        "seq": 256,
+        "ckpt": False,
+        "precision": "bf16",
+    },
+    {"method": "full", "targets": [], "batch": 2, "seq": 256, "ckpt": False, "precision": "bf16"},
+    {"method": "qlora", "targets": ["all-linear"], "batch": 4, "seq": 256, "ckpt": False},
 ]
 
 
@@ -46,53 +56,99 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def case_spec(case: dict[str, Any]) -> Any:
+    """The job spec of a case, as the API would store it."""
+    from tunefleet.platform.spec import JobSpec
+
+    return JobSpec.model_validate(
+        {
+            "job_id": "ftjob-accuracy",
+            "tenant_id": "t",
+            "model": "accuracy-llama",
+            "training_file": "file-x",
+            "hyperparameters": {
+                "n_epochs": 1,
+                "batch_size": case["batch"],
+                "learning_rate_multiplier": 1,
+            },
+            "seed": 0,
+            "tunefleet": {
+                "method": case["method"],
+                "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": case["targets"]}
+                if case["targets"]
+                else {},
+                "precision": case.get("precision", "fp32"),
+                "gradient_checkpointing": case["ckpt"],
+                "max_seq_len": case["seq"],
+                "micro_batch_size": case["batch"],
+            },
+        }
+    )
+
+
 def measure(case: dict[str, Any]) -> dict[str, Any]:
-    """Run in a fresh process (see ``run_case``): one real step, measured."""
+    """Run in a fresh process (see ``run_case``): one real step of the training loop's own
+    model, optimizer and precision context (``tunefleet.workers.train``), measured."""
     import gc
+    import tempfile
 
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    base = _rss_kib("VmRSS")
-    model = LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation="sdpa"))
-    if case["method"] == "lora":
-        targets = "all-linear" if case["targets"] == ["all-linear"] else case["targets"]
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
-            ),
-        )
-    if case["ckpt"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if case["method"] != "full":
-            model.enable_input_require_grads()
+    from tunefleet.workers.train.loop import make_optimizer, precision_context
+    from tunefleet.workers.train.methods import build_model
+
+    spec = case_spec(case)
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation="sdpa")).save_pretrained(tmp)
+        gc.collect()
+        base = _rss_kib("VmRSS")
+        model = build_model(spec, tmp).model
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, foreach=True)  # as the loop
+    optimizer = make_optimizer(spec, params)
+    autocast = precision_context(spec, "cpu")
     ids = torch.randint(0, SHAPE["vocab_size"], (case["batch"], case["seq"]))
+
+    def step() -> int:
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.float().backward()
+        peak = _rss_kib("VmHWM")
+        optimizer.step()
+        return max(peak, _rss_kib("VmHWM"))
+
     # warm-up step: lazily created optimizer states and library buffers exist afterwards
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
+    step()
     optimizer.zero_grad(set_to_none=True)
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark
-    model(input_ids=ids, labels=ids).loss.backward()
-    peak = _rss_kib("VmHWM")
-    optimizer.step()
-    peak = max(peak, _rss_kib("VmHWM"))
-    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    g_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    peak = step()
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    n_bytes = sum(nbytes(p) for p in model.parameters())
+    # 4-bit weights keep their quantization constants beside the packed data
+    n_bytes += sum(
+        nbytes(t)
+        for p in model.parameters()
+        if (qs := getattr(p, "quant_state", None)) is not None
+        for t in (qs.absmax, qs.code, *((qs.state2.absmax, qs.state2.code) if qs.nested else ()))
+    )
+    g_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
     o_bytes = sum(
-        t.numel() * t.element_size()
+        nbytes(t)
         for st in optimizer.state.values()
         for t in st.values()
         if isinstance(t, torch.Tensor)
     )
     trainable = sum(p.numel() for p in params)
-    total = sum(p.numel() for p in model.parameters())
+    # a 4-bit tensor packs two values per stored byte
+    total = sum(
+        p.numel() * (2 if type(p).__name__ == "Params4bit" else 1) for p in model.parameters()
+    )
     return {
         "states_bytes": n_bytes + g_bytes + o_bytes,
         "peak_bytes": (peak - base) * 1024,
@@ -121,7 +177,7 @@ def predict(case: dict[str, Any]) -> dict[str, Any]:
         method=case["method"],
         lora_r=8,
         lora_targets=tuple(case["targets"]),
-        precision="fp32",
+        precision=case.get("precision", "fp32"),
         per_device_batch=case["batch"],
         seq_len=case["seq"],
         gradient_checkpointing=case["ckpt"],
@@ -164,7 +220,8 @@ def main() -> None:
         c = r["case"]
         print(
             f"{c['method']:5} {','.join(c['targets']) or '-':14} b={c['batch']} s={c['seq']} "
-            f"ckpt={c['ckpt']!s:5}  states {r['states_error']:+.1%}  peak {r['peak_error']:+.1%}"
+            f"ckpt={c['ckpt']!s:5} {c.get('precision', 'fp32')}  "
+            f"states {r['states_error']:+.1%}  peak {r['peak_error']:+.1%}"
             f"  (measured peak {r['measured']['peak_bytes'] / 2**20:.0f} MiB)"
         )
 

@@ -1,5 +1,6 @@
-"""The planner against real training steps on the CPU: parameter + gradient + optimizer
-bytes within 5% of what is allocated, total peak within 25% of the measured peak."""
+"""The planner against real training steps on the CPU (the training loop's own model,
+optimizer and precision for each method): parameter + gradient + optimizer bytes within 5%
+of what is allocated, total peak within 25% of the measured peak."""
 
 from __future__ import annotations
 
@@ -17,10 +18,14 @@ CASES = [
     {"method": "lora", "targets": ["q_proj", "v_proj"], "batch": 4, "seq": 256, "ckpt": False},
     {"method": "lora", "targets": ["all-linear"], "batch": 4, "seq": 256, "ckpt": True},
     {"method": "full", "targets": [], "batch": 2, "seq": 256, "ckpt": False},
+    {"method": "full", "targets": [], "batch": 2, "seq": 256, "ckpt": False, "precision": "bf16"},
+    {"method": "qlora", "targets": ["all-linear"], "batch": 4, "seq": 256, "ckpt": False},
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['method']}-ckpt{c['ckpt']}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"{c['method']}-ckpt{c['ckpt']}-{c.get('precision', 'fp32')}"
+)
 def test_prediction_matches_a_real_step(case: dict[str, object]) -> None:
     row = compare(case)
     assert row["predicted"]["trainable"] == row["measured"]["trainable"]

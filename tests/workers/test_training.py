@@ -26,6 +26,7 @@ from tunefleet.platform.db import JobEvent, session_scope
 from tunefleet.platform.db.migrate import upgrade
 from tunefleet.platform.jobs import JobCreateRequest, create_job
 from tunefleet.platform.models import ModelRegistry
+from tunefleet.platform.planner import PlanDevice
 from tunefleet.platform.settings import get_settings
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
 
@@ -240,3 +241,37 @@ def test_fsdp_trains_like_ddp(
             assert value.shape == ddp_weights[name].shape, name
             close = value.float().allclose(ddp_weights[name].float(), atol=tolerance)
             assert close, (strategy, name)
+
+
+def _planned_job(env: dict[str, Any], device: PlanDevice) -> str:
+    """A job the API would make: its auto settings (micro-batch included) from the planner
+    for ``device``, so the workers probe the micro-batch."""
+    with session_scope(env["url"]) as s:
+        req = JobCreateRequest.model_validate(
+            {
+                "model": BIASED,
+                "training_file": env["file"],
+                "seed": 3,
+                "hyperparameters": {"n_epochs": 1, "batch_size": 4},
+                "tunefleet": {"max_seq_len": 64},
+            }
+        )
+        registry = ModelRegistry(get_settings().resolved_model_registry)
+        job = create_job(s, env["principal"], req, registry, device=device)
+        assert job.spec["tunefleet"]["probe_micro_batch"] is True
+        return job.id
+
+
+def test_the_planned_micro_batch_is_probed_on_the_device(ray_env: dict[str, Any]) -> None:
+    from tunefleet.workers.train.driver import run
+
+    job_id = _planned_job(ray_env, PlanDevice.from_gb(80, 256))
+    run(job_id)
+    start = next(e for e in _events(ray_env, job_id) if e.message.startswith("Training "))
+    assert "micro-batch 4 probed on the device (planned 4; step peak" in start.message
+    assert start.data["micro_batch"] == 4
+
+    # 2.5 MB: the planner's 2.1 MB fits it, the worker's real footprint does not
+    job_id = _planned_job(ray_env, PlanDevice(memory_bytes=2.5 * 2**20, host_bytes=2**30))
+    with pytest.raises(Exception, match="not even a micro-batch of 1 example fits"):
+        run(job_id)

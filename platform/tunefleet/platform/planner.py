@@ -208,16 +208,20 @@ def plan_memory(shape: ModelShape, inp: PlanInput) -> Breakdown:
         b.weights = shape.total_params * wbytes
     elif inp.method == "lora":
         b.weights = shape.total_params * wbytes + trainable * wbytes
-    else:  # qlora: decoder linears in NF4 with their constants; the rest in 16 bits
+    else:  # qlora: decoder linears in NF4 with their constants; the rest in fp32
         quantized = shape.num_layers * shape.layer_linear_params
         per_param = 0.5 + (
             (1 / NF4_BLOCK + 4 / (NF4_BLOCK * DQ_BLOCK)) if inp.double_quant else 4 / NF4_BLOCK
         )
-        b.weights = quantized * per_param + (shape.total_params - quantized) * 2
+        # peft's prepare_model_for_kbit_training casts every weight it did not quantize
+        # (embeddings, norms, head) to fp32 for stable training (measured by
+        # bench/planner_accuracy.py)
+        b.weights = quantized * per_param + (shape.total_params - quantized) * 4
         b.weights += trainable * wbytes
         b.notes.append(
             f"NF4 base: {per_param:.4f} bytes per quantized weight "
-            f"({'with' if inp.double_quant else 'without'} double quantization)"
+            f"({'with' if inp.double_quant else 'without'} double quantization); "
+            "embeddings, norms and head in fp32"
         )
 
     # Gradients and optimizer states exist for trainable parameters only.
@@ -452,6 +456,7 @@ def _resolve_spec(
                 update={
                     "gradient_checkpointing": ckpt,
                     "micro_batch_size": micro,
+                    "probe_micro_batch": opts.micro_batch_size is None,
                     "strategy": advice.strategy,
                 }
             )

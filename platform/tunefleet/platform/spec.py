@@ -166,7 +166,16 @@ class TuneFleetOptions(_Frozen):
         ge=1,
         le=4096,
         description="Examples per worker per forward pass; gradient accumulation makes up "
-        "the global batch_size. None: the largest the memory planner fits.",
+        "the global batch_size. None: the largest the memory planner fits, which the "
+        "workers then probe on their device (see probe_micro_batch).",
+    )
+    probe_micro_batch: bool = Field(
+        default=False,
+        description="Set when the planner chose micro_batch_size: before training, the "
+        "workers run one step at it, halve it while it runs out of memory (on CPU "
+        "workers: while the step's peak exceeds the device memory the plan was made for), "
+        "double it while it fits up to their share of batch_size, and train at the "
+        "largest that ran.",
     )
     strategy: Strategy | Literal["auto"] = Field(
         default="auto",

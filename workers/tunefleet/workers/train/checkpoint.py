@@ -59,6 +59,12 @@ def save(
     (folder / "trainer_state.json").write_text(json.dumps(state))
 
 
+def saved_extras(folder: Path) -> dict[str, Any]:
+    """The trainer state a checkpoint was saved with (step, token count, micro-batch...)."""
+    state: dict[str, Any] = json.loads((folder / "trainer_state.json").read_text())
+    return state
+
+
 def load_model(folder: Path, built: BuiltModel) -> None:
     """Restore the method's weights (before the model is wrapped or sharded)."""
     load_weights(folder / ADAPTER_DIR, built)

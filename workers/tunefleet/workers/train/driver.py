@@ -38,6 +38,8 @@ def run(job_id: str) -> None:
         if job is None:
             raise SystemExit(f"job {job_id} is not in the database at {db_url}")
         spec = JobSpec.model_validate(job.spec)
+        # the device the plan (and a micro-batch probe on CPU workers) is for
+        device_bytes = (job.plan or {}).get("device", {}).get("memory_bytes")
     registry = ModelRegistry(settings.resolved_model_registry)
     res = spec.tunefleet.resources
     trainer = TorchTrainer(
@@ -48,6 +50,7 @@ def run(job_id: str) -> None:
             "model_path": str(registry.require(spec.model)),
             "train_path": str(store.path(store.file_key(spec.training_file))),
             "checkpoints_key": store.checkpoints_key(job_id),
+            "device_memory_bytes": device_bytes,
         },
         scaling_config=ScalingConfig(
             num_workers=res.num_workers,

@@ -27,7 +27,7 @@ from tunefleet.platform.db import Job, session_scope
 from tunefleet.platform.progress import record_checkpoint, record_message, record_metrics
 from tunefleet.platform.spec import JobSpec
 from tunefleet.workers.train import checkpoint as ckpt_files
-from tunefleet.workers.train import sharding
+from tunefleet.workers.train import probe, sharding
 from tunefleet.workers.train.data import collate, collate_packed, epoch_order, load_dataset, pack
 from tunefleet.workers.train.methods import build_model
 
@@ -69,6 +69,56 @@ def enable_fp8(model: Any) -> None:
     convert_to_float8_training(model)
 
 
+def probe_micro_batch(
+    spec: JobSpec,
+    model: Any,
+    units: list[Any],
+    make_batch: Any,
+    autocast: Any,
+    start: int,
+    share: int,
+    world: int,
+    fit: probe.DeviceFit,
+) -> tuple[int, str]:
+    """The seeds' Step 2 (``probe.py``): one forward and backward pass on the longest
+    examples per size tried, with the optimizer states the run will add held in memory
+    meanwhile; every rank tries the same sizes and a size fits only if it fits on all.
+    Returns the micro-batch and a sentence for the job's events."""
+    longest = sorted(units, key=lambda u: -len(u.input_ids))
+    trainable = sum(  # this worker's share where FSDP shards them
+        (p.to_local() if hasattr(p, "to_local") else p).numel()
+        for p in model.parameters()
+        if p.requires_grad
+    )
+    state_bytes = trainable * (2 if spec.tunefleet.optimizer != "adamw" else 8)
+    device = ray.train.torch.get_device()
+
+    def attempt(size: int) -> None:
+        reserve = torch.zeros(state_bytes, dtype=torch.uint8, device=device)  # noqa: F841
+        batch, _ = make_batch([longest[i % len(longest)] for i in range(size)])
+        with autocast:
+            out = model(**batch)
+        out.loss.float().backward()
+        model.zero_grad(set_to_none=True)
+
+    def fits(size: int) -> bool:
+        ok = fit(size, lambda: attempt(size))
+        if dist.is_available() and dist.is_initialized() and world > 1:
+            flag = torch.tensor([int(ok)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            ok = bool(flag.item())
+        return ok
+
+    micro, failed = probe.search(fits, start, share)
+    peak = fit.peaks.get(micro)
+    return micro, (
+        f"micro-batch {micro} probed on the device (planned {start}"
+        + (f"; {', '.join(map(str, failed))} did not fit" if failed else "")
+        + (f"; step peak {peak / 2**20:.0f} MiB" if peak is not None else "")
+        + "); "
+    )
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     spec = JobSpec.model_validate(config["spec"])
     db_url: str = config["database_url"]
@@ -78,6 +128,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     # --- setup ----------------------------------------------------------------------
     load_started = time.perf_counter()
+    resident_at_start = probe.resident_bytes()
     tokenizer = AutoTokenizer.from_pretrained(config["model_path"])
     pad_id = (
         tokenizer.pad_token_id
@@ -129,9 +180,23 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         return collate(picked, pad_id), tokens
 
     hp = spec.hyperparameters
+    share = max(1, math.ceil(hp.batch_size / world))
     # One optimizer step = `accum` micro-batches of `micro` examples on each of `world`
     # workers: the global batch_size, up to rounding.
-    micro = spec.tunefleet.micro_batch_size or max(1, math.ceil(hp.batch_size / world))
+    micro = spec.tunefleet.micro_batch_size or share
+    probed = ""
+    if spec.tunefleet.probe_micro_batch:
+        if ckpt_dir is not None:  # a resumed run keeps what its first run found
+            micro = int(ckpt_files.saved_extras(ckpt_dir).get("micro_batch", micro))
+        else:
+            micro, probed = probe_micro_batch(
+                spec, model, units, make_batch, autocast, micro, share, world,
+                probe.DeviceFit(
+                    ray.train.torch.get_device(),
+                    config.get("device_memory_bytes"),
+                    resident_at_start,
+                ),
+            )  # fmt: skip
     accum = max(1, math.ceil(hp.batch_size / (micro * world)))
     per_step = micro * accum
     steps_per_epoch = max(1, math.ceil(len(units) / (per_step * world)))
@@ -172,10 +237,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 f"): {len(data.examples)} examples"
                 f"{f' packed into {len(units)} rows' if spec.tunefleet.packing else ''}, "
                 f"{data.truncated} truncated to {spec.tunefleet.max_seq_len} tokens; "
+                f"{probed}"
                 f"{trainable:,} trainable of {total:,} parameters{resumed}",
                 data={
                     "model_load_s": round(model_load_s, 3),
                     "step": step,
+                    "micro_batch": micro,
                     "method": spec.tunefleet.method,
                     "strategy": strategy if world > 1 else "single",
                     "pid": os.getpid(),
@@ -197,7 +264,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     spec,
                     optimizer,
                     scheduler,
-                    {"step": step, "trained_tokens": trained_tokens},
+                    {"step": step, "trained_tokens": trained_tokens, "micro_batch": micro},
                     scaler,
                     gathered,
                 )
