@@ -46,6 +46,11 @@ CASES: list[dict[str, Any]] = [
     },
     {"method": "full", "targets": [], "batch": 2, "seq": 256, "ckpt": False, "precision": "bf16"},
     {"method": "qlora", "targets": ["all-linear"], "batch": 4, "seq": 256, "ckpt": False},
+    {"method": "ia3", "targets": [], "batch": 4, "seq": 256, "ckpt": False},
+    {"method": "prefix_tuning", "targets": [], "batch": 4, "seq": 256, "ckpt": False},
+    {"method": "prompt_tuning", "targets": [], "batch": 4, "seq": 256, "ckpt": False},
+    {"method": "bitfit", "targets": [], "batch": 4, "seq": 256, "ckpt": False, "bias": True},
+    {"method": "adapter", "targets": [], "batch": 4, "seq": 256, "ckpt": False},
 ]
 
 
@@ -54,6 +59,11 @@ def _rss_kib(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def shape_of(case: dict[str, Any]) -> dict[str, Any]:
+    """The model config of a case: SHAPE, with biases on every projection for BitFit."""
+    return {**SHAPE, "attention_bias": True, "mlp_bias": True} if case.get("bias") else SHAPE
 
 
 def case_spec(case: dict[str, Any]) -> Any:
@@ -101,7 +111,8 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     spec = case_spec(case)
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation="sdpa")).save_pretrained(tmp)
+        config = LlamaConfig(**shape_of(case), attn_implementation="sdpa")
+        LlamaForCausalLM(config).save_pretrained(tmp)
         gc.collect()
         base = _rss_kib("VmRSS")
         model = build_model(spec, tmp).model
@@ -170,18 +181,15 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def predict(case: dict[str, Any]) -> dict[str, Any]:
-    from tunefleet.platform.planner import ModelShape, PlanInput, parameter_counts, plan_memory
-
-    shape = ModelShape.from_config(SHAPE)
-    inp = PlanInput(
-        method=case["method"],
-        lora_r=8,
-        lora_targets=tuple(case["targets"]),
-        precision=case.get("precision", "fp32"),
-        per_device_batch=case["batch"],
-        seq_len=case["seq"],
-        gradient_checkpointing=case["ckpt"],
+    from tunefleet.platform.planner import (
+        ModelShape,
+        parameter_counts,
+        plan_input_from_spec,
+        plan_memory,
     )
+
+    shape = ModelShape.from_config(shape_of(case))
+    inp = plan_input_from_spec(case_spec(case))  # as the API plans a job
     plan = plan_memory(shape, inp)
     trainable, total = parameter_counts(shape, inp)
     return {
@@ -209,6 +217,7 @@ def main() -> None:
         "benchmark": "planner_accuracy",
         "device": "cpu",
         "shape": SHAPE,
+        "note": "cases with bias: true add attention_bias and mlp_bias to the shape",
         "rows": rows,
         "max_abs_states_error": max(abs(r["states_error"]) for r in rows),
         "max_abs_peak_error": max(abs(r["peak_error"]) for r in rows),
@@ -219,7 +228,7 @@ def main() -> None:
     for r in rows:
         c = r["case"]
         print(
-            f"{c['method']:5} {','.join(c['targets']) or '-':14} b={c['batch']} s={c['seq']} "
+            f"{c['method']:13} {','.join(c['targets']) or '-':14} b={c['batch']} s={c['seq']} "
             f"ckpt={c['ckpt']!s:5} {c.get('precision', 'fp32')}  "
             f"states {r['states_error']:+.1%}  peak {r['peak_error']:+.1%}"
             f"  (measured peak {r['measured']['peak_bytes'] / 2**20:.0f} MiB)"

@@ -1,5 +1,5 @@
 """The planner against real training steps on the CPU (the training loop's own model,
-optimizer and precision for each method): parameter + gradient + optimizer bytes within 5%
+optimizer and precision, for every method): parameter + gradient + optimizer bytes within 5%
 of what is allocated, total peak within 25% of the measured peak."""
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ CASES = [
     {"method": "full", "targets": [], "batch": 2, "seq": 256, "ckpt": False},
     {"method": "full", "targets": [], "batch": 2, "seq": 256, "ckpt": False, "precision": "bf16"},
     {"method": "qlora", "targets": ["all-linear"], "batch": 4, "seq": 256, "ckpt": False},
+    *(
+        {"method": m, "targets": [], "batch": 4, "seq": 256, "ckpt": False}
+        for m in ("ia3", "prefix_tuning", "prompt_tuning", "adapter")
+    ),
+    {"method": "bitfit", "targets": [], "batch": 4, "seq": 256, "ckpt": False, "bias": True},
 ]
 
 

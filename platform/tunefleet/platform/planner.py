@@ -31,7 +31,9 @@ GiB = 1024**3
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Strategy = Literal["ddp", "zero1", "zero2", "zero3", "zero3_offload"]
-Method = Literal["full", "lora", "qlora"]
+Method = Literal[
+    "full", "lora", "qlora", "ia3", "prefix_tuning", "prompt_tuning", "bitfit", "adapter"
+]
 Optimizer = Literal["adamw", "adamw_8bit"]
 
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -51,6 +53,8 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
@@ -65,6 +69,8 @@ class ModelShape:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
         )
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
@@ -93,9 +99,18 @@ class ModelShape:
         return (2 * self.num_layers + 1) * self.hidden_size
 
     @property
+    def bias_params(self) -> int:
+        """Bias terms of the projections (attention_bias, mlp_bias): what BitFit trains."""
+        shapes = self.linear_shapes()
+        biased = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if self.attention_bias]
+        biased += [n for n in ("gate_proj", "up_proj", "down_proj") if self.mlp_bias]
+        return self.num_layers * sum(shapes[n][1] for n in biased)
+
+    @property
     def total_params(self) -> int:
         return (
             self.num_layers * self.layer_linear_params
+            + self.bias_params
             + self.embedding_params
             + self.head_params
             + self.norm_params
@@ -138,6 +153,10 @@ class PlanInput:
     per_device_batch: int = 1
     seq_len: int = 512
     double_quant: bool = True
+    ia3_targets: tuple[str, ...] = ("k_proj", "v_proj", "down_proj")
+    ia3_feedforward: tuple[str, ...] = ("down_proj",)
+    virtual_tokens: int = 16
+    bottleneck: int = 64
 
 
 @dataclass
@@ -171,10 +190,28 @@ def _bytes(precision: Precision) -> int:
 
 
 def parameter_counts(shape: ModelShape, inp: PlanInput) -> tuple[int, int]:
-    """(trainable, total) as peft counts them: LoRA adds its parameters to the total."""
+    """(trainable, total) as peft counts them: what a method adds is added to the total;
+    full fine-tuning and BitFit train parameters the base already has."""
     if inp.method == "full":
         return shape.total_params, shape.total_params
-    added = lora_params(shape, inp.lora_r, list(inp.lora_targets))
+    if inp.method == "bitfit":
+        return shape.bias_params, shape.total_params
+    shapes = shape.linear_shapes()
+    if inp.method in ("lora", "qlora"):
+        added = lora_params(shape, inp.lora_r, list(inp.lora_targets))
+    elif inp.method == "ia3":  # a vector per target: its input width for feed-forward ones
+        added = shape.num_layers * sum(
+            shapes[t][0 if t in inp.ia3_feedforward else 1]
+            for t in resolve_targets(list(inp.ia3_targets))
+        )
+    elif inp.method == "prefix_tuning":  # a key and a value per virtual token per layer
+        kv = shape.num_kv_heads * shape.head_dim
+        added = inp.virtual_tokens * shape.num_layers * 2 * kv
+    elif inp.method == "prompt_tuning":  # one input embedding per virtual token
+        added = inp.virtual_tokens * shape.hidden_size
+    else:  # adapter: down (h x b + b) and up (b x h + h) after every block
+        h, b = shape.hidden_size, inp.bottleneck
+        added = shape.num_layers * (2 * h * b + b + h)
     return added, shape.total_params + added
 
 
@@ -190,8 +227,10 @@ def activation_bytes_per_layer(shape: ModelShape, inp: PlanInput) -> float:
     h, i = shape.hidden_size, shape.intermediate_size
     kv = shape.num_kv_heads * shape.head_dim
     elems = 4 * h + (h + 2 * kv) + h + 4 * i + shape.num_heads
-    if inp.method != "full":
+    if inp.method in ("lora", "qlora"):
         elems += inp.lora_r * len(resolve_targets(list(inp.lora_targets)))
+    elif inp.method == "adapter":  # its down projection and GELU output, and its sum
+        elems += 2 * inp.bottleneck + h
     return elems * _bytes(inp.precision)
 
 
@@ -204,9 +243,9 @@ def plan_memory(shape: ModelShape, inp: PlanInput) -> Breakdown:
     trainable, _ = parameter_counts(shape, inp)
 
     # Weights: frozen base (maybe 4-bit) plus trainable parameters.
-    if inp.method == "full":
+    if inp.method in ("full", "bitfit"):
         b.weights = shape.total_params * wbytes
-    elif inp.method == "lora":
+    elif inp.method != "qlora":  # a frozen base and what the method adds
         b.weights = shape.total_params * wbytes + trainable * wbytes
     else:  # qlora: decoder linears in NF4 with their constants; the rest in fp32
         quantized = shape.num_layers * shape.layer_linear_params
@@ -372,26 +411,29 @@ class PlanDevice:
 
 
 def plan_input_from_spec(spec: JobSpec) -> PlanInput:
-    """What the training loop will really run for ``spec``: its strategy (DDP while it is
-    still ``auto``) across workers, examples up
-    to max_seq_len long, the micro-batch the spec sets (or the global batch split evenly).
-    Methods other than full, LoRA and QLoRA train a few parameters on a frozen base and are
-    planned as LoRA (the frozen base dominates); fp8 is planned as bf16."""
+    """What the training loop will really run for ``spec``: its method and strategy (DDP
+    while it is still ``auto``) across workers, examples up to max_seq_len long, the
+    micro-batch the spec sets (or the global batch split evenly); fp8 is planned as bf16."""
     opts = spec.tunefleet
     workers = opts.resources.num_workers
     micro = opts.micro_batch_size or max(1, math.ceil(spec.hyperparameters.batch_size / workers))
-    method: Method = opts.method if opts.method in ("full", "lora", "qlora") else "lora"
     precision: Precision = "bf16" if opts.precision == "fp8" else opts.precision
     return PlanInput(
-        method=method,
+        method=opts.method,
         lora_r=opts.lora.r,
         lora_targets=tuple(opts.lora.target_modules),
         precision=precision,
+        optimizer="adamw" if opts.optimizer == "adamw" else "adamw_8bit",
         strategy="ddp" if opts.strategy == "auto" else opts.strategy,
         gradient_checkpointing=opts.gradient_checkpointing is True,
         num_workers=workers,
         per_device_batch=micro,
         seq_len=opts.max_seq_len,
+        double_quant=opts.qlora.double_quant,
+        ia3_targets=tuple(opts.ia3.target_modules),
+        ia3_feedforward=tuple(opts.ia3.feedforward_modules),
+        virtual_tokens=opts.virtual_tokens.num_virtual_tokens,
+        bottleneck=opts.adapter.bottleneck,
     )
 
 
