@@ -90,3 +90,33 @@ def test_cli_drives_files_and_jobs(
     # an API error is printed in the API's own words, exit 1
     bad = runner.invoke(app, ["jobs", "create", "gpt-9", file_id], env=env)
     assert bad.exit_code == 1 and "unknown base model 'gpt-9'" in bad.output
+
+
+def test_plan_prints_the_chart_and_refuses_bad_input_without_a_trace(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "vocab_size": 32000,
+                "hidden_size": 4096,
+                "intermediate_size": 11008,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 32,
+            }
+        )
+    )
+    runner = CliRunner()
+    gpus = {"method": "full", "resources": {"num_workers": 8, "gpus_per_worker": 1}}
+    args = ["plan", str(config), "--batch-size", "64", "--device-memory-gb", "80"]
+    result = runner.invoke(app, [*args, "--options", json.dumps(gpus)])
+    assert result.exit_code == 0, result.output
+    assert "6,738,415,616 trainable of 6,738,415,616" in result.output
+    assert "advice: zero3" in result.output
+
+    unknown = runner.invoke(app, ["plan", "no-such-model"])
+    assert unknown.exit_code == 2
+    assert "unknown base model 'no-such-model'" in unknown.output
+    assert "Traceback" not in unknown.output
+    offload = runner.invoke(app, [*args, "--options", '{"strategy": "zero3_offload"}'])
+    assert offload.exit_code == 2 and "needs GPU workers" in offload.output

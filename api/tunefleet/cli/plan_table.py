@@ -14,10 +14,11 @@ def _gib(n: float) -> str:
 def render(plan: dict[str, Any]) -> str:
     p, inp = plan["parameters"], plan["input"]
     advice = plan["advice"]
+    rank = f" r={inp['lora_r']}" if inp["method"] in ("lora", "qlora") else ""
     lines = [
         f"model {plan['model']}: {p['trainable']:,} trainable of {p['total']:,} parameters "
         f"({p['trainable_percent']}%)",
-        f"as the job runs: {inp['method']} r={inp['lora_r']} {inp['precision']} "
+        f"as the job runs: {inp['method']}{rank} {inp['precision']} "
         f"{inp['strategy']} x{inp['num_workers']}, per-device batch {inp['per_device_batch']}, "
         f"seq {inp['seq_len']}",
         "",
