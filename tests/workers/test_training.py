@@ -119,6 +119,13 @@ def test_method_trains_and_saves(ray_env: dict[str, Any], method: str) -> None:
     if method == "full":
         assert start.data["trainable_parameters"] == start.data["total_parameters"]
     losses = [e.data["train_loss"] for e in events if e.type == "metrics"]
+    assert start.data["peak_flops"] > 0  # bf16/fp16 GEMMs are ~1 GFLOP/s on CPUs without them
+    assert "measured at start-up" in start.data["peak_flops_source"]
+    for e in events:
+        if e.type == "metrics":  # every step: throughput against the measured peak, memory
+            assert e.data["samples_per_s"] > 0 and e.data["tokens_per_s"] > 0
+            assert 0 < e.data["mfu"] < 1
+            assert e.data["peak_memory_bytes"] > 2**20
     # 8 examples (packed: 2 rows of 4) / batch 4 x 4 epochs
     assert len(losses) == (4 if options.get("packing") else 8), losses
     first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2

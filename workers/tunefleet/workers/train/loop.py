@@ -27,6 +27,7 @@ from tunefleet.platform.db import Job, session_scope
 from tunefleet.platform.progress import record_checkpoint, record_message, record_metrics
 from tunefleet.platform.spec import JobSpec
 from tunefleet.workers.train import checkpoint as ckpt_files
+from tunefleet.workers.train import metrics as train_metrics
 from tunefleet.workers.train import probe, sharding
 from tunefleet.workers.train.data import collate, collate_packed, epoch_order, load_dataset, pack
 from tunefleet.workers.train.methods import build_model
@@ -223,6 +224,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 else None,
             )
             step, trained_tokens = int(saved["step"]), int(saved["trained_tokens"])
+    # Throughput metrics: model FLOPs per token against the device's peak (metrics.py)
+    device = ray.train.torch.get_device()
+    peak_flops, peak_source = 0.0, ""
+    if is_chief:
+        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}
+        dtype = compute.get(spec.tunefleet.precision, torch.float32)
+        peak_flops, peak_source = train_metrics.device_peak_flops(device, dtype)
+    per_token = train_metrics.flops_per_token(
+        total, trainable, built.model.config, data.tokens / len(data.examples)
+    )
     if is_chief:
         with session_scope(db_url) as s:
             resumed = f", resumed at step {step}" if step else ""
@@ -243,6 +254,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     "model_load_s": round(model_load_s, 3),
                     "step": step,
                     "micro_batch": micro,
+                    "peak_flops": peak_flops,
+                    "peak_flops_source": peak_source,
+                    "flops_per_token": per_token,
                     "method": spec.tunefleet.method,
                     "strategy": strategy if world > 1 else "single",
                     "pid": os.getpid(),
@@ -298,16 +312,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             code = int(flag.item())
         return {1: "paused", 2: "cancelled"}.get(code)
 
-    def global_tokens(local: int) -> int:
+    def global_sum(*local: int) -> list[int]:
+        """Counts summed over all workers."""
         if dist.is_available() and dist.is_initialized() and world > 1:
-            total = torch.tensor([local])
+            total = torch.tensor(local)
             dist.all_reduce(total)
-            return int(total.item())
-        return local
+            return [int(v) for v in total.tolist()]
+        return list(local)
 
     # --- steps ----------------------------------------------------------------------
     model.train()
-    started, window_tokens, window_start = time.perf_counter(), 0, time.perf_counter()
+    started, window_start = time.perf_counter(), time.perf_counter()
+    window_tokens = window_samples = 0
     start_step = step
     epoch = step // steps_per_epoch
     last_loss = float("nan")
@@ -319,9 +335,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             if step >= total_steps:
                 break
             picks = [mine[(local_step * per_step + j) % len(mine)] for j in range(per_step)]
-            step_loss, local_tokens = 0.0, 0
+            step_loss, local_tokens, local_samples = 0.0, 0, 0
             for a in range(accum):
-                batch, tokens = make_batch([units[i] for i in picks[a * micro : (a + 1) * micro]])
+                picked = [units[i] for i in picks[a * micro : (a + 1) * micro]]
+                batch, tokens = make_batch(picked)
+                # a packed row holds several examples
+                local_samples += sum(len(getattr(u, "lengths", (u,))) for u in picked)
                 # DDP all-reduces (FSDP reduce-scatters) gradients on the last micro-batch
                 # only.
                 sync = a == accum - 1 or not hasattr(model, "no_sync")
@@ -342,22 +361,30 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            tokens = global_tokens(local_tokens)
+            tokens, samples = global_sum(local_tokens, local_samples)
             norm = float(sharding.local_value(grad_norm))  # on every rank: may communicate
             trained_tokens += tokens
             window_tokens += tokens
+            window_samples += samples
             last_loss = step_loss
             if is_chief:
                 now = time.perf_counter()
                 rate = (step - start_step) / (now - started)
+                elapsed = max(now - window_start, 1e-9)
+                tokens_per_s = window_tokens / elapsed
                 metrics = {
                     "train_loss": last_loss,
                     "learning_rate": scheduler.get_last_lr()[0],
                     "grad_norm": norm,
-                    "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                    "tokens_per_s": tokens_per_s,
+                    "samples_per_s": window_samples / elapsed,
+                    # of the whole job: every worker's device at its peak
+                    "mfu": tokens_per_s * per_token / (peak_flops * world) if peak_flops else None,
+                    "peak_memory_bytes": train_metrics.peak_memory_bytes(device),
                     "epoch": epoch + 1,
                 }
-                window_tokens, window_start = 0, now
+                window_tokens = window_samples = 0
+                window_start = now
                 with session_scope(db_url) as s:
                     record_metrics(
                         s,

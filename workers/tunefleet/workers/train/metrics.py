@@ -1,0 +1,83 @@
+"""Throughput figures for the per-step metrics: model FLOPs per token, the device's peak
+FLOP/s (a table for GPUs, a GEMM measured at start-up on CPUs) and peak memory.
+
+FLOPs per token follow PaLM's accounting (Chowdhery et al. 2022, appendix B): a forward
+pass costs 2 FLOPs per parameter per token, a backward pass 4 when weights are trained (the
+gradients of activations and of weights) and 2 when they are frozen (activations only;
+LoRA and the other few-parameter methods), plus attention's 12 x layers x hidden x
+sequence. MFU is what the run achieves of that against the peak, for the whole job.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16/fp16 tensor-core peak FLOP/s of common training GPUs (vendor data sheets,
+# without sparsity), matched against torch.cuda.get_device_name().
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100 PCIe": 756e12,  # before "H100": the first name found in the device's wins
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
+
+
+def flops_per_token(total_params: int, trainable_params: int, config: Any, seq: float) -> float:
+    """Training FLOPs per token for a model of ``total_params`` of which
+    ``trainable_params`` are trained, at mean sequence length ``seq``."""
+    full = trainable_params >= 0.5 * total_params  # full fine-tuning (or close to it)
+    per_param = 6 if full else 4
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    return per_param * total_params + 12 * layers * hidden * seq
+
+
+def measure_cpu_peak(dtype: torch.dtype, seconds: float = 0.2) -> float:
+    """FLOP/s of the best of three square GEMMs in ``dtype`` on this process's threads:
+    the CPU's practical peak for this run. (On CPUs without native bf16/fp16 arithmetic
+    those dtypes run 30-50x slower than fp32; the peak says so.)"""
+    best = 0.0
+    for n in (256, 512, 1024):
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+        a @ b  # warm-up
+        count, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            a @ b
+            count += 1
+        best = max(best, 2 * n**3 * count / (time.perf_counter() - started))
+    return best
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The peak FLOP/s of one worker's device and where the figure comes from."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return peak, f"{name} data sheet"
+        return 0.0, f"{name} not in the peak table"
+    return measure_cpu_peak(dtype), f"{dtype} GEMM measured at start-up"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """GPU: the most torch allocated since the last reset; CPU: the process's peak
+    resident set so far (VmHWM)."""
+    if device.type == "cuda":
+        peak = int(torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
