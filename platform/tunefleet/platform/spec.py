@@ -111,6 +111,22 @@ class Resources(_Frozen):
     cpus_per_worker: float = Field(default=1, gt=0, description="CPUs per worker.")
 
 
+class RopeScaling(_Frozen):
+    """Longer context than the base was trained on, by rescaling its rotary embeddings."""
+
+    type: Literal["linear", "dynamic", "yarn"] = Field(
+        description="linear: position interpolation (positions divided by factor); dynamic: "
+        "NTK-aware scaling of the base frequency, growing with the sequence; yarn: YaRN "
+        "(frequency-dependent interpolation with an attention temperature)."
+    )
+    factor: float = Field(gt=1, le=64, description="New context / the base's context.")
+    original_max_position_embeddings: int | None = Field(
+        default=None,
+        ge=1,
+        description="The base's trained context (default: its max_position_embeddings).",
+    )
+
+
 class TuneFleetOptions(_Frozen):
     """TuneFleet's own controls, sent under ``tunefleet`` in the create body."""
 
@@ -143,6 +159,11 @@ class TuneFleetOptions(_Frozen):
     )
     max_seq_len: int = Field(
         default=512, ge=8, le=1_048_576, description="Tokens per example; longer are truncated."
+    )
+    rope_scaling: RopeScaling | None = Field(
+        default=None,
+        description="RoPE scaling set on the model's config before training (long context); "
+        "attention is SDPA.",
     )
     packing: bool = Field(
         default=False,

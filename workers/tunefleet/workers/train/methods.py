@@ -103,7 +103,28 @@ def load_base(spec: JobSpec, model_path: str) -> Any:
         kwargs["dtype"] = torch.float32  # full fine-tuning keeps fp32 master weights
     else:
         kwargs["dtype"] = DTYPES[opts.precision]  # a frozen base in 16 bits
-    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    if opts.rope_scaling is not None:
+        kwargs["config"] = rope_scaled_config(model_path, opts.rope_scaling)
+    return AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", **kwargs)
+
+
+def rope_scaled_config(model_path: str, scaling: Any) -> Any:
+    """The base's config with ``scaling`` (a ``RopeScaling``) in its RoPE parameters
+    (transformers 5's ``rope_parameters``) and a context of factor x the original, except
+    for dynamic NTK, which rescales past ``max_position_embeddings`` and so keeps the
+    original there."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    original = scaling.original_max_position_embeddings or config.max_position_embeddings
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.update(rope_type=scaling.type, factor=scaling.factor)
+    if scaling.type in ("yarn", "dynamic"):
+        params["original_max_position_embeddings"] = original
+    config.rope_parameters = params
+    dynamic = scaling.type == "dynamic"
+    config.max_position_embeddings = original if dynamic else int(original * scaling.factor)
+    return config
 
 
 def build_model(spec: JobSpec, model_path: str) -> BuiltModel:
