@@ -282,3 +282,42 @@ def test_the_planned_micro_batch_is_probed_on_the_device(ray_env: dict[str, Any]
     job_id = _planned_job(ray_env, PlanDevice(memory_bytes=2.5 * 2**20, host_bytes=2**30))
     with pytest.raises(Exception, match="not even a micro-batch of 1 example fits"):
         run(job_id)
+
+
+def test_a_validation_file_is_scored_at_checkpoints(ray_env: dict[str, Any]) -> None:
+    """Loss and next-token accuracy over the whole validation file at every epoch end (the
+    checkpoints) and at the end, on both workers' shares."""
+    from tunefleet.workers.train.driver import run
+
+    data = ray_env["data"]
+    with session_scope(ray_env["url"]) as s:
+        store = ArtifactStore(data / "artifacts")
+        tenant = ray_env["principal"].tenant_id
+        valid = add_chat_file(s, store, tenant, "f-valid", 3)
+        req = JobCreateRequest.model_validate(
+            {
+                "model": BIASED,
+                "training_file": ray_env["file"],
+                "validation_file": valid,
+                "seed": 3,
+                "hyperparameters": {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 20},
+                "tunefleet": {
+                    "max_seq_len": 64,
+                    "resources": {"num_workers": 2, "cpus_per_worker": 0.5},
+                },
+            }
+        )
+        job_id = create_job(
+            s, ray_env["principal"], req, ModelRegistry(get_settings().resolved_model_registry)
+        ).id
+    run(job_id)
+    scored = {
+        e.data["step"]: e.data
+        for e in _events(ray_env, job_id)
+        if e.type == "metrics" and "full_valid_loss" in e.data
+    }
+    assert sorted(scored) == [2, 4]  # 2 steps per epoch
+    for metrics in scored.values():
+        assert 0 <= metrics["full_valid_mean_token_accuracy"] <= 1
+    # the validation examples are the training examples' kind: their loss falls too
+    assert scored[4]["full_valid_loss"] < scored[2]["full_valid_loss"]

@@ -49,6 +49,9 @@ def run(job_id: str) -> None:
             "database_url": db_url,
             "model_path": str(registry.require(spec.model)),
             "train_path": str(store.path(store.file_key(spec.training_file))),
+            "validation_path": str(store.path(store.file_key(spec.validation_file)))
+            if spec.validation_file
+            else None,
             "checkpoints_key": store.checkpoints_key(job_id),
             "device_memory_bytes": device_bytes,
         },

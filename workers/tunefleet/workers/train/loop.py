@@ -29,7 +29,14 @@ from tunefleet.platform.spec import JobSpec
 from tunefleet.workers.train import checkpoint as ckpt_files
 from tunefleet.workers.train import metrics as train_metrics
 from tunefleet.workers.train import probe, sharding
-from tunefleet.workers.train.data import collate, collate_packed, epoch_order, load_dataset, pack
+from tunefleet.workers.train.data import (
+    IGNORE,
+    collate,
+    collate_packed,
+    epoch_order,
+    load_dataset,
+    pack,
+)
 from tunefleet.workers.train.methods import build_model
 
 
@@ -166,6 +173,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     data = load_dataset(Path(config["train_path"]), tokenizer, spec.tunefleet.max_seq_len)
     if not data.examples:
         raise ValueError("the training file has no example with tokens to learn from")
+    # Evaluation data: never packed; every worker scores its share.
+    validation = (
+        load_dataset(Path(config["validation_path"]), tokenizer, spec.tunefleet.max_seq_len)
+        if config.get("validation_path")
+        else None
+    )
     # The unit of a batch: an example, or a row of examples packed end to end.
     units: list[Any] = (
         pack(data.examples, spec.tunefleet.max_seq_len)
@@ -320,6 +333,42 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             return [int(v) for v in total.tolist()]
         return list(local)
 
+    def evaluate() -> dict[str, float]:
+        """Loss and next-token accuracy over every label token of the validation file
+        (OpenAI's ``full_valid_loss`` / ``full_valid_mean_token_accuracy``). Every rank
+        runs the same number of forward passes (FSDP gathers in each), scoring nothing in
+        the passes past its share."""
+        assert validation is not None
+        share = validation.examples[rank::world]
+        passes = math.ceil(math.ceil(len(validation.examples) / world) / micro)
+        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, label tokens
+        model.eval()
+        with torch.no_grad():
+            for i in range(passes):
+                chunk = share[i * micro : (i + 1) * micro]
+                batch = collate(chunk or validation.examples[:1], pad_id)
+                with autocast:
+                    out = model(**batch)
+                if not chunk:
+                    continue
+                labels = batch["labels"][:, 1:]
+                # prompt tuning puts its virtual tokens first: score the inputs' positions
+                logits = out.logits[:, -batch["labels"].shape[1] :][:, :-1]
+                scored = labels != IGNORE
+                n = int(scored.sum())
+                if n:
+                    totals[0] += float(out.loss) * n
+                    totals[1] += int((logits.argmax(-1) == labels)[scored].sum())
+                    totals[2] += n
+        model.train()
+        if dist.is_available() and dist.is_initialized() and world > 1:
+            dist.all_reduce(totals)
+        count = max(float(totals[2]), 1.0)
+        return {
+            "full_valid_loss": float(totals[0]) / count,
+            "full_valid_mean_token_accuracy": float(totals[1]) / count,
+        }
+
     # --- steps ----------------------------------------------------------------------
     model.train()
     started, window_start = time.perf_counter(), time.perf_counter()
@@ -362,6 +411,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens, samples = global_sum(local_tokens, local_samples)
+            every = spec.tunefleet.checkpoint_every_steps
+            # with a validation file: at every checkpoint and at the end
+            evaluated = (
+                evaluate()
+                if validation is not None
+                and (
+                    step == total_steps
+                    or step % steps_per_epoch == 0
+                    or (every and step % every == 0)
+                )
+                else {}
+            )
             norm = float(sharding.local_value(grad_norm))  # on every rank: may communicate
             trained_tokens += tokens
             window_tokens += tokens
@@ -382,6 +443,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     "mfu": tokens_per_s * per_token / (peak_flops * world) if peak_flops else None,
                     "peak_memory_bytes": train_metrics.peak_memory_bytes(device),
                     "epoch": epoch + 1,
+                    **evaluated,
                 }
                 window_tokens = window_samples = 0
                 window_start = now
@@ -402,7 +464,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                         with session_scope(db_url) as s:
                             record_message(s, spec.job_id, f"Paused at step {step}")
                 return
-            every = spec.tunefleet.checkpoint_every_steps
             if every and step % every == 0 and step % steps_per_epoch and step < total_steps:
                 save_checkpoint(False, {"train_loss": last_loss})
         epoch += 1
