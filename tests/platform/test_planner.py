@@ -204,8 +204,9 @@ def test_auto_strategy_is_settled_by_the_chart_and_a_given_one_is_kept() -> None
     [
         ({"strategy": "zero3_offload"}, "'zero3_offload'"),
         ({"strategy": "zero3", "method": "prompt_tuning"}, "prompt_tuning"),
+        ({"merged_model": True, "method": "adapter"}, "adapter cannot be merged"),
     ],
 )
-def test_strategies_a_job_cannot_use_are_refused(options: dict[str, Any], named: str) -> None:
+def test_options_a_job_cannot_use_are_refused(options: dict[str, Any], named: str) -> None:
     with pytest.raises(ValidationError, match=named):
         _spec(**options)

@@ -34,9 +34,19 @@ pytestmark = pytest.mark.slow
 
 BIASED = "tiny-llama-bias"
 CASES = {  # method -> (learning-rate multiplier, more options)
-    "lora": (20, {"lora": {"use_rslora": True, "target_modules": ["all-linear"]}}),
-    "qlora": (20, {"lora": {"use_dora": True}, "qlora": {"compute_dtype": "float32"}}),
-    "full": (20, {"precision": "fp16"}),
+    "lora": (
+        20,
+        {"lora": {"use_rslora": True, "target_modules": ["all-linear"]}, "merged_model": True},
+    ),
+    "qlora": (
+        20,
+        {
+            "lora": {"use_dora": True},
+            "qlora": {"compute_dtype": "float32"},
+            "merged_model": True,
+        },
+    ),
+    "full": (20, {"precision": "fp16", "merged_model": True}),
     "ia3": (20, {"optimizer": "adamw_8bit"}),
     "prefix_tuning": (10, {}),
     "prompt_tuning": (10, {}),
@@ -144,6 +154,47 @@ def test_method_trains_and_saves(ray_env: dict[str, Any], method: str) -> None:
         meta = json.loads((saved / "tunefleet_method.json").read_text())
         assert meta["method"] == method
         assert meta["trainable"] == start.data["trainable_parameters"]
+    if options.get("merged_model"):
+        _check_merged(store, job_id, settings.resolved_model_registry / BIASED, saved, method)
+
+
+def _check_merged(
+    store: ArtifactStore, job_id: str, base_path: Any, adapter: Any, method: str
+) -> None:
+    """The merged model is a plain transformers model (safetensors, tokenizer) computing
+    what the base with the trained weights computes."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    merged_path = store.path(store.merged_key(job_id))
+    assert (merged_path / "model.safetensors").exists()
+    assert (
+        not list(merged_path.glob("*.bin")) and not (merged_path / "adapter_config.json").exists()
+    )
+    AutoTokenizer.from_pretrained(merged_path)
+    merged = AutoModelForCausalLM.from_pretrained(merged_path, dtype=torch.float32).eval()
+    if method == "full":
+        trained = load_file(str(adapter / "trainable.safetensors"))
+        state = merged.state_dict()
+        assert all(torch.equal(state[k].float(), v.float()) for k, v in trained.items())
+        return
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    if method == "qlora":  # the 4-bit weights it trained on, de-quantized
+        from transformers import BitsAndBytesConfig
+
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                   bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
+        base = AutoModelForCausalLM.from_pretrained(
+            base_path, quantization_config=quant, dtype=torch.float32
+        ).dequantize()
+    reference = PeftModel.from_pretrained(base, str(adapter)).eval()
+    ids = torch.arange(1, 17).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, reference(ids).logits, atol=1e-4)
 
 
 def test_killed_worker_resumes_from_its_checkpoint_with_the_same_losses(

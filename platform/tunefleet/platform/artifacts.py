@@ -31,6 +31,10 @@ class ArtifactStore:
         return f"adapters/{job_id}"
 
     @staticmethod
+    def merged_key(job_id: str) -> str:
+        return f"merged/{job_id}"
+
+    @staticmethod
     def checkpoints_key(job_id: str) -> str:
         return f"checkpoints/{job_id}"
 

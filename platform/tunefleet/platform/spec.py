@@ -160,6 +160,13 @@ class TuneFleetOptions(_Frozen):
     max_seq_len: int = Field(
         default=512, ge=8, le=1_048_576, description="Tokens per example; longer are truncated."
     )
+    merged_model: bool = Field(
+        default=False,
+        description="Also store the base with the training merged in, as a transformers "
+        "model in safetensors with its tokenizer (artifacts merged/{job}): LoRA and IA3 "
+        "through merge_and_unload, QLoRA into the de-quantized 4-bit base it trained on, "
+        "full fine-tuning and BitFit as the base with the trained tensors.",
+    )
     rope_scaling: RopeScaling | None = Field(
         default=None,
         description="RoPE scaling set on the model's config before training (long context); "
@@ -230,6 +237,11 @@ class TuneFleetOptions(_Frozen):
                     "tunefleet.optimizer 'paged_adamw_8bit' pages optimizer states through "
                     "CUDA unified memory and needs GPU workers; use 'adamw_8bit' on CPU"
                 )
+        if opts.merged_model and opts.method in ("prefix_tuning", "prompt_tuning", "adapter"):
+            raise ValueError(
+                f"tunefleet.merged_model: {opts.method} cannot be merged into the base's "
+                "weights (it adds tokens or modules the base lacks); leave merged_model off"
+            )
         if opts.strategy in ("zero2", "zero3", "zero3_offload") and opts.method in (
             "prefix_tuning",
             "prompt_tuning",

@@ -78,6 +78,27 @@ def run(job_id: str) -> None:
     with result.checkpoint.as_directory() as folder:
         store.put_dir(store.adapter_key(job_id), Path(folder) / ADAPTER_DIR)
     log.info("adapter for %s stored at %s", job_id, store.adapter_key(job_id))
+    if spec.tunefleet.merged_model:
+        store_merged(spec, str(registry.require(spec.model)), store)
+
+
+def store_merged(spec: JobSpec, model_path: str, store: ArtifactStore) -> None:
+    """The merged model (``TuneFleetOptions.merged_model``) with the base's tokenizer, as
+    safetensors, under ``merged/{job}``; an event says where."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from tunefleet.workers.train.methods import merged_model
+
+    key = store.merged_key(spec.job_id)
+    model = merged_model(spec, model_path, store.path(store.adapter_key(spec.job_id)))
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
+        store.put_dir(key, Path(tmp))
+    with session_scope(get_settings().resolved_database_url) as s:
+        add_event(s, spec.job_id, f"Merged model stored at {key}", data={"merged_model": key})
 
 
 def main() -> None:

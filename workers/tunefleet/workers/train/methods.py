@@ -269,3 +269,22 @@ def load_weights(folder: Path, built: BuiltModel) -> None:
         params = dict(built.model.named_parameters())
         for name, value in weights.items():
             params[name].copy_(value)
+
+
+def merged_model(spec: JobSpec, model_path: str, folder: Path) -> Any:
+    """The base with the weights saved in ``folder`` merged in (see
+    ``TuneFleetOptions.merged_model``)."""
+    if spec.tunefleet.method in PEFT_METHODS:
+        from peft import PeftModel
+
+        base = load_base(spec, model_path)  # QLoRA: the 4-bit base the adapter trained on
+        if getattr(base, "is_loaded_in_4bit", False):
+            base = base.dequantize()
+        return PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    result = base.load_state_dict(load_file(str(folder / TRAINABLE_FILE)), strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"trained tensors the base lacks: {result.unexpected_keys[:5]}")
+    return base
