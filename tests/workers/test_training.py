@@ -372,3 +372,17 @@ def test_a_validation_file_is_scored_at_checkpoints(ray_env: dict[str, Any]) -> 
         assert 0 <= metrics["full_valid_mean_token_accuracy"] <= 1
     # the validation examples are the training examples' kind: their loss falls too
     assert scored[4]["full_valid_loss"] < scored[2]["full_valid_loss"]
+
+
+def test_a_compiled_model_trains(ray_env: dict[str, Any]) -> None:
+    from tunefleet.workers.train.driver import run
+
+    job_id = _job(ray_env, 2, 20, {"method": "lora", "compile": True})
+    run(job_id)
+    events = _events(ray_env, job_id)
+    start = next(e for e in events if e.message.startswith("Training "))
+    assert ", compiled" in start.message
+    losses = [e.data["train_loss"] for e in events if e.type == "metrics"]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    store = ArtifactStore(get_settings().resolved_artifact_root)  # names as uncompiled
+    assert (store.path(store.adapter_key(job_id)) / "adapter_model.safetensors").exists()

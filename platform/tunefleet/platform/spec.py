@@ -160,6 +160,11 @@ class TuneFleetOptions(_Frozen):
     max_seq_len: int = Field(
         default=512, ge=8, le=1_048_576, description="Tokens per example; longer are truncated."
     )
+    compile: bool = Field(
+        default=False,
+        description="torch.compile the model (inductor, dynamic shapes): faster steps once "
+        "compiled, the first ones slower while it compiles.",
+    )
     merged_model: bool = Field(
         default=False,
         description="Also store the base with the training merged in, as a transformers "

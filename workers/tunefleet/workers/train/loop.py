@@ -41,10 +41,11 @@ from tunefleet.workers.train.methods import build_model
 
 
 def make_optimizer(spec: JobSpec, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW (foreach), or bitsandbytes' 8-bit AdamW (its paged variant on GPUs)."""
+    """AdamW with its fused kernel (one kernel per step for all parameters, on CPUs and
+    GPUs), or bitsandbytes' 8-bit AdamW (its paged variant on GPUs)."""
     name = spec.tunefleet.optimizer
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=0.0, foreach=True)
+        return torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=0.0, fused=True)
     from bitsandbytes import optim as bnb_optim
 
     cls: Any = getattr(bnb_optim, "PagedAdamW8bit" if name == "paged_adamw_8bit" else "AdamW8bit")
@@ -165,6 +166,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         model = ray.train.torch.prepare_model(
             built.model, parallel_strategy="ddp" if world > 1 else None
         )
+    if spec.tunefleet.compile:
+        # in place (nn.Module.compile): parameter names and state dicts stay the model's
+        model.compile(dynamic=True)  # examples vary in length
     autocast = precision_context(spec, device_type)
     # fp16 needs dynamic loss scaling: small gradients would underflow to zero
     scaler = torch.amp.GradScaler(device_type, enabled=spec.tunefleet.precision == "fp16")
@@ -255,7 +259,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 spec.job_id,
                 f"Training {total_steps} steps of {spec.tunefleet.method} in "
                 f"{spec.tunefleet.precision} on {world} worker(s)"
-                f"{f' sharded ({strategy})' if sharded else ''} ({micro} examples x "
+                f"{f' sharded ({strategy})' if sharded else ''}"
+                f"{', compiled' if spec.tunefleet.compile else ''} ({micro} examples x "
                 f"{accum} micro-batch(es) per worker per step"
                 f"{', gradient checkpointing' if spec.tunefleet.gradient_checkpointing else ''}"
                 f"): {len(data.examples)} examples"
