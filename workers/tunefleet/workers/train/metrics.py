@@ -47,9 +47,12 @@ def measure_cpu_peak(dtype: torch.dtype, seconds: float = 0.2) -> float:
     the CPU's practical peak for this run. (On CPUs without native bf16/fp16 arithmetic
     those dtypes run 30-50x slower than fp32; the peak says so.)"""
     best = 0.0
+    # its own generator: the training's random stream (dropout, and what a resumed run
+    # restores from its checkpoint) must not move
+    gen = torch.Generator().manual_seed(0)
     for n in (256, 512, 1024):
-        a = torch.randn(n, n, dtype=dtype)
-        b = torch.randn(n, n, dtype=dtype)
+        a = torch.rand(n, n, generator=gen).to(dtype)
+        b = torch.rand(n, n, generator=gen).to(dtype)
         a @ b  # warm-up
         count, started = 0, time.perf_counter()
         while time.perf_counter() - started < seconds:
