@@ -51,8 +51,8 @@ def measure_cpu_peak(dtype: torch.dtype, seconds: float = 0.2) -> float:
     # restores from its checkpoint) must not move
     gen = torch.Generator().manual_seed(0)
     for n in (256, 512, 1024):
-        a = torch.rand(n, n, generator=gen).to(dtype)
-        b = torch.rand(n, n, generator=gen).to(dtype)
+        a = torch.randn(n, n, generator=gen).to(dtype)
+        b = torch.randn(n, n, generator=gen).to(dtype)
         a @ b  # warm-up
         count, started = 0, time.perf_counter()
         while time.perf_counter() - started < seconds:
