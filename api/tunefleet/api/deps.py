@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
@@ -30,26 +31,30 @@ async def get_settings_dep(request: Request) -> Settings:
     return _settings(request)
 
 
-async def get_session(request: Request) -> AsyncIterator[Session]:
-    """A session per request. Routes commit what they write before they answer, so a
-    client that reads right after a write sees it."""
-    session = session_factory(_settings(request).resolved_database_url)()
+@contextmanager
+def _request_session(factory: Callable[[], Session]) -> Iterator[Session]:
+    """Open a session for one request; whatever it did not commit is rolled back."""
+    session = factory()
     try:
         yield session
     finally:
         session.rollback()
         session.close()
+
+
+async def get_session(request: Request) -> AsyncIterator[Session]:
+    """A session per request. Routes commit what they write before they answer, so a
+    client that reads right after a write sees it."""
+    with _request_session(session_factory(_settings(request).resolved_database_url)) as session:
+        yield session
 
 
 async def get_statement_session(request: Request) -> AsyncIterator[Session]:
     """A session for routes that only read or write with one statement (see
     ``single_statement_sessions``): the hottest job routes."""
-    session = single_statement_sessions(_settings(request).resolved_database_url)()
-    try:
+    url = _settings(request).resolved_database_url
+    with _request_session(single_statement_sessions(url)) as session:
         yield session
-    finally:
-        session.rollback()
-        session.close()
 
 
 async def get_principal(

@@ -5,6 +5,7 @@ is downloaded from a model hub."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -35,6 +36,7 @@ def prepare_builtin(registry: ModelRegistry) -> Path:
     """Convert the built-in GGUF to ``registry/SmolLM2-135M-Instruct`` once; idempotent."""
     target = registry.path(BUILTIN_MODEL)
     if BUILTIN_MODEL in registry.names():
+        _drop_gguf_quantization(target / "config.json")  # converted by an older version
         return target
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -46,7 +48,11 @@ def prepare_builtin(registry: ModelRegistry) -> Path:
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
     # A GGUF-loaded model refuses save_pretrained: rebuild it from config and weights.
-    config = AutoConfig.for_model(**loaded.config.to_dict())
+    # The weights are de-quantized to fp32: the GGUF's quantization_config would mark the
+    # model quantized (transformers' Trainer, for one, then refuses to train it).
+    settings = loaded.config.to_dict()
+    settings.pop("quantization_config", None)
+    config = AutoConfig.for_model(**settings)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     tmp = target.with_name(f".{target.name}.tmp")
@@ -57,3 +63,10 @@ def prepare_builtin(registry: ModelRegistry) -> Path:
         shutil.rmtree(target)
     os.replace(tmp, target)
     return target
+
+
+def _drop_gguf_quantization(config_file: Path) -> None:
+    config = json.loads(config_file.read_text())
+    if config.get("quantization_config", {}).get("quant_method") == "gguf":
+        del config["quantization_config"]
+        config_file.write_text(json.dumps(config, indent=2) + "\n")

@@ -416,6 +416,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens, samples = global_sum(local_tokens, local_samples)
+            trained_at = time.perf_counter()  # throughput leaves out the evaluation below
             every = spec.tunefleet.checkpoint_every_steps
             # with a validation file: at every checkpoint and at the end
             evaluated = (
@@ -434,14 +435,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             window_samples += samples
             last_loss = step_loss
             if is_chief:
-                now = time.perf_counter()
-                rate = (step - start_step) / (now - started)
-                elapsed = max(now - window_start, 1e-9)
+                rate = (step - start_step) / (time.perf_counter() - started)
+                elapsed = max(trained_at - window_start, 1e-9)
                 tokens_per_s = window_tokens / elapsed
                 metrics = {
                     "train_loss": last_loss,
                     "learning_rate": scheduler.get_last_lr()[0],
                     "grad_norm": norm,
+                    "step_tokens": window_tokens,  # real tokens, all workers
                     "tokens_per_s": tokens_per_s,
                     "samples_per_s": window_samples / elapsed,
                     # of the whole job: every worker's device at its peak
@@ -451,7 +452,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     **evaluated,
                 }
                 window_tokens = window_samples = 0
-                window_start = now
                 with session_scope(db_url) as s:
                     record_metrics(
                         s,
@@ -462,6 +462,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                         trained_tokens=trained_tokens,
                         eta_s=(total_steps - step) / rate if rate > 0 else None,
                     )
+            # the next step's window opens here: the evaluation and the metrics write
+            # above count for no step
+            window_start = time.perf_counter()
             if step < total_steps and (stop := requested_stop()):
                 if stop == "paused":
                     save_checkpoint(False, {"train_loss": last_loss, "stopped": stop})

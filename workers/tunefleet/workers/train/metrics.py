@@ -11,10 +11,11 @@ sequence. MFU is what the run achieves of that against the peak, for the whole j
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from tunefleet.workers.train import probe
 
 # Dense bf16/fp16 tensor-core peak FLOP/s of common training GPUs (vendor data sheets,
 # without sparsity), matched against torch.cuda.get_device_name().
@@ -80,7 +81,4 @@ def peak_memory_bytes(device: torch.device) -> int:
         peak = int(torch.cuda.max_memory_allocated(device))
         torch.cuda.reset_peak_memory_stats(device)
         return peak
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return probe.status_kib("VmHWM") * 1024

@@ -46,7 +46,7 @@ def search(fits: Callable[[int], bool], start: int, most: int) -> tuple[int, lis
     )
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
@@ -54,7 +54,7 @@ def _status_kib(field: str) -> int:
 
 
 def resident_bytes() -> int:
-    return _status_kib("VmRSS") * 1024
+    return status_kib("VmRSS") * 1024
 
 
 class DeviceFit:
@@ -80,5 +80,5 @@ class DeviceFit:
             self._libc.malloc_trim(0)  # freed tensors of a larger attempt leave the RSS
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark
         attempt()
-        self.peaks[size] = _status_kib("VmHWM") * 1024 - self.baseline
+        self.peaks[size] = status_kib("VmHWM") * 1024 - self.baseline
         return self.budget is None or self.peaks[size] <= self.budget
