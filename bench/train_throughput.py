@@ -121,7 +121,7 @@ def run_trainer(
             output_dir=out,
             per_device_train_batch_size=args.micro_batch,
             gradient_accumulation_steps=args.accum,
-            gradient_checkpointing=checkpointing,
+            activation_checkpointing=checkpointing,  # transformers 5's gradient_checkpointing
             optim="adamw_torch",
             learning_rate=2e-4,
             max_steps=args.steps,

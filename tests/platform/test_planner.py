@@ -205,6 +205,7 @@ def test_auto_strategy_is_settled_by_the_chart_and_a_given_one_is_kept() -> None
         ({"strategy": "zero3_offload"}, "'zero3_offload'"),
         ({"strategy": "zero3", "method": "prompt_tuning"}, "prompt_tuning"),
         ({"merged_model": True, "method": "adapter"}, "adapter cannot be merged"),
+        ({"packing": True, "method": "prefix_tuning"}, "packing: prefix_tuning"),
     ],
 )
 def test_options_a_job_cannot_use_are_refused(options: dict[str, Any], named: str) -> None:

@@ -197,14 +197,26 @@ def _check_merged(
         assert torch.allclose(merged(ids).logits, reference(ids).logits, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "distribution",
+    [
+        {},
+        {"strategy": "zero3", "resources": {"num_workers": 2, "cpus_per_worker": 0.5}},
+    ],
+    ids=["one-worker", "zero3-two-workers"],
+)
 def test_killed_worker_resumes_from_its_checkpoint_with_the_same_losses(
-    ray_env: dict[str, Any],
+    ray_env: dict[str, Any], distribution: dict[str, Any]
 ) -> None:
+    """SIGKILL the chief worker mid-run, also of a sharded run: Ray Train restarts the
+    workers, which load the newest checkpoint (FSDP: full weights before sharding, the
+    optimizer into the shards, each rank its own dropout state) and end with exactly the
+    losses of the run that was never interrupted."""
     from tunefleet.workers.train.driver import run
 
     # 2 steps per epoch (8 examples, batch 4): checkpoints at every epoch end, i.e. every
     # second step
-    options = {"method": "lora", "lora": {"dropout": 0.1}}
+    options = {"method": "lora", "lora": {"dropout": 0.1}, **distribution}
     straight = _job(ray_env, 12, 5, options)  # 24 steps
     run(straight)
     expected = {

@@ -247,6 +247,12 @@ class TuneFleetOptions(_Frozen):
                 f"tunefleet.merged_model: {opts.method} cannot be merged into the base's "
                 "weights (it adds tokens or modules the base lacks); leave merged_model off"
             )
+        if opts.packing and opts.method in ("prefix_tuning", "prompt_tuning"):
+            raise ValueError(
+                f"tunefleet.packing: {opts.method} puts its virtual tokens before each "
+                "sequence, and documents packed into one row would share them: leave "
+                "packing off"
+            )
         if opts.strategy in ("zero2", "zero3", "zero3_offload") and opts.method in (
             "prefix_tuning",
             "prompt_tuning",

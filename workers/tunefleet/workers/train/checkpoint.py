@@ -3,8 +3,9 @@
 A checkpoint folder holds ``adapter/`` (the method's weights: peft format for the peft
 methods, ``trainable.safetensors`` otherwise; see ``methods.py``), ``optimizer.safetensors``
 (every optimizer state tensor, keyed by its path ``{param_index}/{name}[/{name}...]`` —
-bitsandbytes nests its 8-bit states in a dict —, plus the CPU random-number state as
-``rng``, so dropout after a resume draws what it would have drawn) and
+bitsandbytes nests its 8-bit states in a dict —, plus every rank's random-number states
+as ``rng/{rank}`` and, on GPUs, ``cuda_rng/{rank}``, so dropout after a resume draws what
+it would have drawn on every worker) and
 ``trainer_state.json`` (step, token count, param groups, the optimizer's other state,
 scheduler and loss-scaler state). No pickle is written or read.
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from tunefleet.platform.spec import JobSpec
@@ -38,15 +40,18 @@ def save(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     extra: dict[str, Any],
+    rng: list[dict[str, torch.Tensor]],
     scaler: Any = None,
     gathered: dict[str, Any] | None = None,
 ) -> None:
+    """Write a checkpoint; ``rng`` holds every rank's ``rng_states()``."""
     save_weights(folder / ADAPTER_DIR, built, spec, gathered["model"] if gathered else None)
     opt = gathered["optimizer"] if gathered else optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     _flatten(opt["state"], "", tensors, scalars)
-    tensors["rng"] = torch.get_rng_state()
+    for rank, states in enumerate(rng):
+        tensors.update({f"{name}/{rank}": value for name, value in states.items()})
     save_file(tensors, str(folder / "optimizer.safetensors"))
     state = {
         "param_groups": opt["param_groups"],
@@ -57,6 +62,33 @@ def save(
         **extra,
     }
     (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+def rng_states(device: torch.device, world: int) -> list[dict[str, torch.Tensor]]:
+    """Every rank's random-number states (the CPU's, and the GPU's dropout draws from),
+    in rank order; all ranks must call it."""
+    mine = {"rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        mine["cuda_rng"] = torch.cuda.get_rng_state(device)
+    if world == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, {k: v.cpu() for k, v in mine.items()})
+    return everyone
+
+
+def _restore_rng(tensors: dict[str, torch.Tensor], rank: int, device: torch.device) -> None:
+    """This rank's states. Checkpoints of older versions kept one CPU state, ``rng``; a rank
+    the checkpoint has no state for (the run grew) keeps its seeded one."""
+    for name in [k for k in tensors if k == "rng" or k.startswith(("rng/", "cuda_rng/"))]:
+        value = tensors.pop(name)
+        kind, _, of = name.partition("/")
+        if of and int(of) != rank:
+            continue
+        if kind == "rng":
+            torch.set_rng_state(value)
+        elif device.type == "cuda":
+            torch.cuda.set_rng_state(value, device)
 
 
 def saved_extras(folder: Path) -> dict[str, Any]:
@@ -76,13 +108,15 @@ def load_state(
     scheduler: Any,
     scaler: Any = None,
     restore_by_name: Callable[[dict[str, Any]], None] | None = None,
+    rank: int = 0,
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
     """Restore the optimizer, scheduler and loss scaler; returns the saved extras. An
     optimizer state keyed by parameter name (a sharded run's) goes to ``restore_by_name``;
     a sharded run needs one."""
     state = json.loads((folder / "trainer_state.json").read_text())
     tensors = load_file(str(folder / "optimizer.safetensors"))
-    torch.set_rng_state(tensors.pop("rng"))
+    _restore_rng(tensors, rank, device or torch.device("cpu"))
     nested: dict[str, Any] = {}
     for path, value in [*tensors.items(), *state.pop("optimizer_scalars", {}).items()]:
         # checkpoints written before nested states were kept used "{idx}.{name}"

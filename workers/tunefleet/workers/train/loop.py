@@ -20,6 +20,7 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from sqlalchemy import select
 from transformers import AutoTokenizer, get_linear_schedule_with_warmup
 
@@ -30,13 +31,13 @@ from tunefleet.workers.train import checkpoint as ckpt_files
 from tunefleet.workers.train import metrics as train_metrics
 from tunefleet.workers.train import probe, sharding
 from tunefleet.workers.train.data import (
-    IGNORE,
     collate,
     collate_packed,
     epoch_order,
     load_dataset,
     pack,
 )
+from tunefleet.workers.train.loss import LabelledLogits, mean_loss
 from tunefleet.workers.train.methods import build_model
 
 
@@ -84,6 +85,7 @@ def probe_micro_batch(
     units: list[Any],
     make_batch: Any,
     autocast: Any,
+    labelled: LabelledLogits,
     start: int,
     share: int,
     world: int,
@@ -106,8 +108,8 @@ def probe_micro_batch(
         reserve = torch.zeros(state_bytes, dtype=torch.uint8, device=device)  # noqa: F841
         batch, _ = make_batch([longest[i % len(longest)] for i in range(size)])
         with autocast:
-            out = model(**batch)
-        out.loss.float().backward()
+            loss = mean_loss(*labelled(model, batch))
+        loss.backward()
         model.zero_grad(set_to_none=True)
 
     def fits(size: int) -> bool:
@@ -146,6 +148,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     )
     built = build_model(spec, config["model_path"])
     trainable, total = built.trainable, built.total
+    # the output layer runs only where a label is (loss.py); hooked before any wrapping
+    labelled = LabelledLogits(built.model.get_output_embeddings())
     device_type = ray.train.torch.get_device().type
     # A resumed run loads the method's weights before the model is wrapped or sharded;
     # optimizer and scheduler state once they exist (below).
@@ -208,7 +212,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             micro = int(ckpt_files.saved_extras(ckpt_dir).get("micro_batch", micro))
         else:
             micro, probed = probe_micro_batch(
-                spec, model, units, make_batch, autocast, micro, share, world,
+                spec, model, units, make_batch, autocast, labelled, micro, share, world,
                 probe.DeviceFit(
                     ray.train.torch.get_device(),
                     config.get("device_memory_bytes"),
@@ -239,6 +243,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 (lambda state: sharding.load_optimizer_state(model, optimizer, state))
                 if sharded
                 else None,
+                rank,
+                ray.train.torch.get_device(),
             )
             step, trained_tokens = int(saved["step"]), int(saved["trained_tokens"])
     # Throughput metrics: model FLOPs per token against the device's peak (metrics.py)
@@ -288,6 +294,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         name = f"step-{step:08d}"
         # sharded: every rank takes part in gathering the full tensors onto rank 0
         gathered = sharding.gather_state(model, optimizer) if sharded else None
+        rng = ckpt_files.rng_states(device, world)
         with tempfile.TemporaryDirectory() as tmp:
             if is_chief:
                 ckpt_files.save(
@@ -297,6 +304,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     optimizer,
                     scheduler,
                     {"step": step, "trained_tokens": trained_tokens, "micro_batch": micro},
+                    rng,
                     scaler,
                     gathered,
                 )
@@ -353,18 +361,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 chunk = share[i * micro : (i + 1) * micro]
                 batch = collate(chunk or validation.examples[:1], pad_id)
                 with autocast:
-                    out = model(**batch)
-                if not chunk:
+                    logits, targets = labelled(model, batch)
+                if not chunk or not len(targets):
                     continue
-                labels = batch["labels"][:, 1:]
-                # prompt tuning puts its virtual tokens first: score the inputs' positions
-                logits = out.logits[:, -batch["labels"].shape[1] :][:, :-1]
-                scored = labels != IGNORE
-                n = int(scored.sum())
-                if n:
-                    totals[0] += float(out.loss) * n
-                    totals[1] += int((logits.argmax(-1) == labels)[scored].sum())
-                    totals[2] += n
+                totals[0] += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
+                totals[1] += int((logits.argmax(-1) == targets).sum())
+                totals[2] += len(targets)
         model.train()
         if dist.is_available() and dist.is_initialized() and world > 1:
             dist.all_reduce(totals)
@@ -402,9 +404,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     model.set_requires_gradient_sync(a == accum - 1)  # type: ignore[operator]
                 with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]
                     with autocast:
-                        out = model(**batch)
-                    scaler.scale(out.loss.float() / accum).backward()
-                step_loss += float(out.loss.detach()) / accum
+                        loss = mean_loss(*labelled(model, batch))
+                    scaler.scale(loss / accum).backward()
+                step_loss += float(loss.detach()) / accum
                 local_tokens += tokens
             scaler.unscale_(optimizer)  # true gradients for clipping (no-op unless fp16)
             grad_norm = torch.nn.utils.clip_grad_norm_(

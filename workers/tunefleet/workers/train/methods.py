@@ -146,7 +146,7 @@ def build_model(spec: JobSpec, model_path: str) -> BuiltModel:
     if checkpointing:
         # Non-reentrant checkpointing needs no input that requires grad, so it works with
         # frozen embeddings under LoRA.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable({"use_reentrant": False})
     if method == "qlora":
         model = prepare_model_for_kbit_training(
             model,

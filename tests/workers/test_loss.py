@@ -1,0 +1,86 @@
+"""The loop's loss runs the output layer only at labelled positions (``loss.py``): it must
+be the model's own loss, with the model's own gradients, for every kind of batch and for
+methods that change the sequence (prompt tuning's virtual tokens) or the model (full)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tunefleet.platform.spec import JobSpec
+from tunefleet.workers.train.data import IGNORE, Example, collate, collate_packed, pack
+from tunefleet.workers.train.loss import LabelledLogits, mean_loss
+from tunefleet.workers.train.methods import build_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tinyllm import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("loss") / "tiny")
+
+
+def _model(path: Path, method: str) -> Any:
+    spec = JobSpec.model_validate(
+        {
+            "job_id": "ftjob-loss",
+            "tenant_id": "t",
+            "model": "tiny",
+            "training_file": "file-1",
+            "hyperparameters": {"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1},
+            "seed": 0,
+            "tunefleet": {"method": method, "lora": {"dropout": 0.0}},
+        }
+    )
+    return build_model(spec, str(path)).model
+
+
+def _examples() -> list[Example]:
+    """Prompts (no labels) of several lengths followed by answers; one answer is empty
+    after the first token, one example is all answer."""
+    torch.manual_seed(1)
+    out = []
+    for prompt, answer in [(6, 4), (3, 9), (10, 1), (0, 7)]:
+        ids = torch.randint(5, 300, (prompt + answer,)).tolist()
+        out.append(Example(ids, [IGNORE] * prompt + ids[prompt:]))
+    return out
+
+
+def _grads(model: Any) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize(
+    ("method", "packed"),
+    [("lora", False), ("lora", True), ("full", True), ("prompt_tuning", False)],
+)  # prompt tuning refuses packing (spec.py)
+def test_the_loss_is_the_models_own(tiny: Path, method: str, packed: bool) -> None:
+    model = _model(tiny, method)
+    labelled = LabelledLogits(model.get_output_embeddings())
+    examples = _examples()
+    batch = collate_packed(pack(examples, 24), 0) if packed else collate(examples, 0)
+
+    own = model(**batch).loss
+    own.backward()
+    expected = _grads(model)
+
+    logits, targets = labelled(model, batch)
+    n_labels = int((batch["labels"][:, 1:] != IGNORE).sum())
+    if method == "prompt_tuning":  # the last virtual token predicts the first input token
+        n_labels += int((batch["labels"][:, 0] != IGNORE).sum())
+    assert logits.shape == (n_labels, model.config.vocab_size) and targets.shape == (n_labels,)
+    loss = mean_loss(logits, targets)
+    loss.backward()
+    torch.testing.assert_close(loss, own, rtol=1e-5, atol=1e-6)
+    got = _grads(model)
+    assert got.keys() == expected.keys() and got
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+    # outside a call the output layer is untouched: every position's logits
+    assert model(**batch).logits.shape[:2][0] == batch["input_ids"].shape[0]
