@@ -16,9 +16,12 @@ accumulation and maximum length, run two ways in one process tree:
   fused AdamW. Its figures are the loop's own per-step metrics.
 
 Tokens are real (not padding) tokens; the first step of each run is a warm-up and is not
-timed. MFU is model FLOPs (``metrics.flops_per_token``) per second against GEMM peaks
-measured here: fp32, the dtype both runs train in, and bf16, which the issue names (on
-CPUs without native bf16 its "peak" is an emulation's and far below fp32's).
+timed. MFU is model FLOPs (``metrics.flops_per_token``, PaLM's count: the output layer at
+every position) per second against GEMM peaks measured here: fp32, the dtype the runs
+train in, and bf16, which the issue names (on CPUs without native bf16 its "peak" is an
+emulation's, far below fp32's). TuneFleet's ``reported_mfu`` is the loop's own, which
+counts the output layer only at labelled positions (where it runs it) against the fp32
+peak it measured at start-up: the stricter figure.
 
     .venv/bin/python bench/train_throughput.py    # ~12 min; bench/results/train_throughput.json
 """
@@ -156,7 +159,7 @@ def run_tunefleet(model_path: Path, data: Path, args: argparse.Namespace) -> dic
     from sqlalchemy import select
 
     from tunefleet.platform.artifacts import ArtifactStore
-    from tunefleet.platform.db import File, Job, JobEvent, session_scope
+    from tunefleet.platform.db import File, JobEvent, session_scope
     from tunefleet.platform.db.migrate import upgrade
     from tunefleet.platform.jobs import JobCreateRequest, create_job
     from tunefleet.platform.models import BUILTIN_MODEL, ModelRegistry
@@ -207,12 +210,11 @@ def run_tunefleet(model_path: Path, data: Path, args: argparse.Namespace) -> dic
     finally:
         ray.shutdown()
     with session_scope(url) as s:
-        spec = s.get(Job, job_id).spec  # type: ignore[union-attr]
         events = list(
             s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.seq))
         )
     steps = [e.data for e in events if e.type == "metrics"]
-    start = next(e.data for e in events if e.data and "flops_per_token" in e.data)
+    start = next(e for e in events if e.data and "flops_per_token" in e.data)
     if len(steps) != args.steps:
         raise RuntimeError(f"the job reported {len(steps)} of {args.steps} steps: {events}")
     timed = steps[1:]
@@ -223,11 +225,13 @@ def run_tunefleet(model_path: Path, data: Path, args: argparse.Namespace) -> dic
         "tokens_per_s": tokens / seconds,
         "timed_steps": len(timed),
         "timed_tokens": tokens,
-        "gradient_checkpointing": spec["tunefleet"]["gradient_checkpointing"],
+        # what the planner settled for "auto" (the loop's first event says)
+        "gradient_checkpointing": "gradient checkpointing" in start.message,
         "packing": True,
-        "flops_per_token": start["flops_per_token"],
+        "flops_per_token": start.data["flops_per_token"],
+        # the loop's own: the output layer counted at labelled positions only
         "reported_mfu": [m["mfu"] for m in timed],
-        "reported_peak_flops": start["peak_flops"],
+        "reported_peak_flops": start.data["peak_flops"],
     }
 
 
@@ -286,6 +290,7 @@ def main() -> None:
             "ratio_met": ratio >= TARGET_RATIO,
             "mfu_vs_bf16_peak_met": ours["mfu_vs_bf16_gemm_peak"] >= TARGET_MFU,
             "mfu_vs_fp32_peak_met": ours["mfu_vs_fp32_gemm_peak"] >= TARGET_MFU,
+            "reported_mfu_met": min(ours["reported_mfu"]) >= TARGET_MFU,
         },
     }
     OUT.write_text(json.dumps(result, indent=2) + "\n")

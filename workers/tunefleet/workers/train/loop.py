@@ -257,6 +257,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     per_token = train_metrics.flops_per_token(
         total, trainable, built.model.config, data.tokens / len(data.examples)
     )
+    head = train_metrics.output_layer_flops(total, trainable, built.model.config)
     if is_chief:
         with session_scope(db_url) as s:
             resumed = f", resumed at step {step}" if step else ""
@@ -281,6 +282,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     "peak_flops": peak_flops,
                     "peak_flops_source": peak_source,
                     "flops_per_token": per_token,
+                    "output_layer_flops_per_token": head,  # counted at labelled positions
                     "method": spec.tunefleet.method,
                     "strategy": strategy if world > 1 else "single",
                     "pid": os.getpid(),
@@ -379,7 +381,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # --- steps ----------------------------------------------------------------------
     model.train()
     started, window_start = time.perf_counter(), time.perf_counter()
-    window_tokens = window_samples = 0
+    window_tokens = window_samples = window_labels = 0
     start_step = step
     epoch = step // steps_per_epoch
     last_loss = float("nan")
@@ -391,7 +393,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             if step >= total_steps:
                 break
             picks = [mine[(local_step * per_step + j) % len(mine)] for j in range(per_step)]
-            step_loss, local_tokens, local_samples = 0.0, 0, 0
+            step_loss, local_tokens, local_samples, local_labels = 0.0, 0, 0, 0
             for a in range(accum):
                 picked = [units[i] for i in picks[a * micro : (a + 1) * micro]]
                 batch, tokens = make_batch(picked)
@@ -404,8 +406,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     model.set_requires_gradient_sync(a == accum - 1)  # type: ignore[operator]
                 with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]
                     with autocast:
-                        loss = mean_loss(*labelled(model, batch))
+                        logits, targets = labelled(model, batch)
+                        loss = mean_loss(logits, targets)
                     scaler.scale(loss / accum).backward()
+                local_labels += len(targets)
                 step_loss += float(loss.detach()) / accum
                 local_tokens += tokens
             scaler.unscale_(optimizer)  # true gradients for clipping (no-op unless fp16)
@@ -417,7 +421,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            tokens, samples = global_sum(local_tokens, local_samples)
+            tokens, samples, labels = global_sum(local_tokens, local_samples, local_labels)
             trained_at = time.perf_counter()  # throughput leaves out the evaluation below
             every = spec.tunefleet.checkpoint_every_steps
             # with a validation file: at every checkpoint and at the end
@@ -435,6 +439,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             trained_tokens += tokens
             window_tokens += tokens
             window_samples += samples
+            window_labels += labels
             last_loss = step_loss
             if is_chief:
                 rate = (step - start_step) / (time.perf_counter() - started)
@@ -448,12 +453,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     "tokens_per_s": tokens_per_s,
                     "samples_per_s": window_samples / elapsed,
                     # of the whole job: every worker's device at its peak
-                    "mfu": tokens_per_s * per_token / (peak_flops * world) if peak_flops else None,
+                    "mfu": (window_tokens * (per_token - head) + window_labels * head)
+                    / elapsed
+                    / (peak_flops * world)
+                    if peak_flops
+                    else None,
                     "peak_memory_bytes": train_metrics.peak_memory_bytes(device),
                     "epoch": epoch + 1,
                     **evaluated,
                 }
-                window_tokens = window_samples = 0
+                window_tokens = window_samples = window_labels = 0
                 with session_scope(db_url) as s:
                     record_metrics(
                         s,

@@ -5,7 +5,9 @@ FLOPs per token follow PaLM's accounting (Chowdhery et al. 2022, appendix B): a 
 pass costs 2 FLOPs per parameter per token, a backward pass 4 when weights are trained (the
 gradients of activations and of weights) and 2 when they are frozen (activations only;
 LoRA and the other few-parameter methods), plus attention's 12 x layers x hidden x
-sequence. MFU is what the run achieves of that against the peak, for the whole job.
+sequence. The output layer counts only at labelled positions: the loop computes it only
+there (``loss.py``). MFU is what the run achieves of that against the peak, for the whole
+job; none on CPUs that emulate the job's 16-bit dtype.
 """
 
 from __future__ import annotations
@@ -43,6 +45,25 @@ def flops_per_token(total_params: int, trainable_params: int, config: Any, seq: 
     return per_param * total_params + 12 * layers * hidden * seq
 
 
+def output_layer_flops(total_params: int, trainable_params: int, config: Any) -> float:
+    """The part of ``flops_per_token`` that is the output layer's. The loop runs it only at
+    labelled positions (``loss.py``) and counts it only there."""
+    full = trainable_params >= 0.5 * total_params
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    return (6 if full else 4) * vocab * hidden
+
+
+def native_cpu_dtype(dtype: torch.dtype) -> bool:
+    """Whether this CPU computes ``dtype`` natively (fp32 always; bf16 with AVX512-BF16 or
+    AMX; fp16 with AMX-FP16); without, torch emulates it at a few GFLOP/s."""
+    if dtype == torch.bfloat16:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    if dtype == torch.float16:
+        return bool(torch.cpu._is_amx_fp16_supported())
+    return True
+
+
 def measure_cpu_peak(dtype: torch.dtype, seconds: float = 0.2) -> float:
     """FLOP/s of the best of three square GEMMs in ``dtype`` on this process's threads:
     the CPU's practical peak for this run. (On CPUs without native bf16/fp16 arithmetic
@@ -71,6 +92,9 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, 
             if key in name:
                 return peak, f"{name} data sheet"
         return 0.0, f"{name} not in the peak table"
+    if not native_cpu_dtype(dtype):
+        # an emulated GEMM's speed depends on shapes and values: no peak worth the name
+        return 0.0, f"{dtype} is emulated on this CPU: no MFU (train in fp32 here)"
     return measure_cpu_peak(dtype), f"{dtype} GEMM measured at start-up"
 
 
