@@ -107,10 +107,11 @@ def run_trainer(
             task_type="CAUSAL_LM",
         ),
     )
-    seen = {"tokens": 0}
+    seen = {"tokens": 0, "padded": 0}
 
     def count(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
         seen["tokens"] += int(kwargs["attention_mask"].sum())
+        seen["padded"] += kwargs["attention_mask"].numel()
 
     model.register_forward_pre_hook(count, with_kwargs=True)
     marks: list[tuple[float, int]] = []
@@ -149,6 +150,7 @@ def run_trainer(
         "tokens_per_s": (n1 - n0) / (t1 - t0),
         "timed_steps": len(marks) - 1,
         "timed_tokens": n1 - n0,
+        "real_share_of_computed_tokens": seen["tokens"] / seen["padded"],
         "gradient_checkpointing": checkpointing,
     }
 

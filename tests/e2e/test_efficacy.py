@@ -116,5 +116,6 @@ def test_a_lora_job_teaches_the_base_model_a_new_behaviour(trained: dict[str, An
 
     rate_before = sum(map(pirate, before)) / len(heldout)
     rate_after = sum(map(pirate, after)) / len(heldout)
+    print(f"opens like a pirate: base {rate_before:.0%}, tuned {rate_after:.0%}")
     assert rate_before < 0.10, before
     assert rate_after > 0.80, list(zip(heldout, after, strict=True))
