@@ -155,8 +155,16 @@ def run_trainer(
     }
 
 
-def run_tunefleet(model_path: Path, data: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """A job through the real driver on a local Ray cluster; figures from its metrics."""
+def run_tunefleet(
+    model_path: Path,
+    data: Path,
+    args: argparse.Namespace,
+    options: dict[str, Any] | None = None,
+    gpus: int = 0,
+) -> dict[str, Any]:
+    """A job through the real driver on a local Ray cluster (one worker: ``THREADS`` CPUs,
+    or one GPU); ``options`` change the job's ``tunefleet`` options. Figures from the
+    loop's own metrics events."""
     import ray
     from sqlalchemy import select
 
@@ -201,12 +209,17 @@ def run_tunefleet(model_path: Path, data: Path, args: argparse.Namespace) -> dic
                     "packing": True,
                     "gradient_checkpointing": "auto",
                     "precision": "fp32",
-                    "resources": {"num_workers": 1, "cpus_per_worker": THREADS},
+                    "resources": {
+                        "num_workers": 1,
+                        "cpus_per_worker": THREADS,
+                        "gpus_per_worker": gpus,
+                    },
+                    **(options or {}),
                 },
             }
         )
         job_id = create_job(s, principal, request, ModelRegistry(model_path.parent)).id
-    ray.init(num_cpus=THREADS, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=THREADS, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     try:
         run(job_id)
     finally:
@@ -234,6 +247,8 @@ def run_tunefleet(model_path: Path, data: Path, args: argparse.Namespace) -> dic
         # the loop's own: the output layer counted at labelled positions only
         "reported_mfu": [m["mfu"] for m in timed],
         "reported_peak_flops": start.data["peak_flops"],
+        "peak_memory_bytes": max(m["peak_memory_bytes"] for m in steps),
+        "first_event": start.message,
     }
 
 

@@ -161,7 +161,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if spec.tunefleet.precision == "fp8":
         enable_fp8(built.model)
     strategy = "ddp" if spec.tunefleet.strategy == "auto" else spec.tunefleet.strategy
-    sharded = world > 1 and strategy != "ddp"  # one worker has nothing to shard
+    # one worker has nothing to shard, but zero3_offload still moves its parameters, grads
+    # and optimizer states to host memory (GPU workers only: spec.py)
+    sharded = strategy != "ddp" and (world > 1 or strategy == "zero3_offload")
     if sharded:
         model = sharding.shard_model(
             built.model.to(ray.train.torch.get_device()), strategy, spec.tunefleet.precision
@@ -284,7 +286,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     "flops_per_token": per_token,
                     "output_layer_flops_per_token": head,  # counted at labelled positions
                     "method": spec.tunefleet.method,
-                    "strategy": strategy if world > 1 else "single",
+                    "strategy": strategy if sharded or world > 1 else "single",
                     "pid": os.getpid(),
                     "trainable_parameters": trainable,
                     "total_parameters": total,
