@@ -173,6 +173,7 @@ def run_tunefleet(
     from tunefleet.platform.db.migrate import upgrade
     from tunefleet.platform.jobs import JobCreateRequest, create_job
     from tunefleet.platform.models import BUILTIN_MODEL, ModelRegistry
+    from tunefleet.platform.planner import PlanDevice
     from tunefleet.platform.settings import get_settings
     from tunefleet.platform.tenants import authenticate, create_key, create_tenant
     from tunefleet.workers.train.driver import run
@@ -218,7 +219,10 @@ def run_tunefleet(
                 },
             }
         )
-        job_id = create_job(s, principal, request, ModelRegistry(model_path.parent)).id
+        # planned for the device the API plans for (settings), as a job made through it is
+        device = PlanDevice.from_gb(get_settings().device_memory_gb, get_settings().host_memory_gb)
+        registry = ModelRegistry(model_path.parent)
+        job_id = create_job(s, principal, request, registry, device=device).id
     ray.init(num_cpus=THREADS, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     try:
         run(job_id)

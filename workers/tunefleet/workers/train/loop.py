@@ -261,6 +261,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     )
     head = train_metrics.output_layer_flops(total, trainable, built.model.config)
     if is_chief:
+        checkpointing = spec.tunefleet.gradient_checkpointing is True  # "auto" unplanned: off
         with session_scope(db_url) as s:
             resumed = f", resumed at step {step}" if step else ""
             record_message(
@@ -271,7 +272,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 f"{f' sharded ({strategy})' if sharded else ''}"
                 f"{', compiled' if spec.tunefleet.compile else ''} ({micro} examples x "
                 f"{accum} micro-batch(es) per worker per step"
-                f"{', gradient checkpointing' if spec.tunefleet.gradient_checkpointing else ''}"
+                f"{', gradient checkpointing' if checkpointing else ''}"
                 f"): {len(data.examples)} examples"
                 f"{f' packed into {len(units)} rows' if spec.tunefleet.packing else ''}, "
                 f"{data.truncated} truncated to {spec.tunefleet.max_seq_len} tokens; "
