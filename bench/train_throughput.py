@@ -15,15 +15,20 @@ accumulation and maximum length, run two ways in one process tree:
   ``gradient_checkpointing: auto`` (it has the memory, so it turns checkpointing off),
   fused AdamW. Its figures are the loop's own per-step metrics.
 
-Tokens are real (not padding) tokens; the first step of each run is a warm-up and is not
-timed. MFU is model FLOPs (``metrics.flops_per_token``, PaLM's count: the output layer at
-every position) per second against GEMM peaks measured here: fp32, the dtype the runs
-train in, and bf16, which the issue names (on CPUs without native bf16 its "peak" is an
-emulation's, far below fp32's). TuneFleet's ``reported_mfu`` is the loop's own, which
-counts the output layer only at labelled positions (where it runs it) against the fp32
-peak it measured at start-up: the stricter figure.
+"Same micro-batch" counts units: 4 examples for the Trainer, 4 packed rows of up to
+``max_seq_len`` tokens for TuneFleet, so TuneFleet's steps carry about twice the tokens
+and its GEMMs are larger; the ratio is of tokens/s and includes what packing brings.
+TuneFleet's clock times each step's training (not its metrics write); the Trainer's runs
+from step end to step end (it logs once, at the end). Tokens are real (not padding)
+tokens; the first step of each run is a warm-up and is not timed. MFU is model FLOPs
+(``metrics.flops_per_token``, PaLM's count: the output layer at every position) per second
+against GEMM peaks measured here: fp32, the dtype the runs train in, and bf16, which the
+issue names (on CPUs without native bf16 its "peak" is an emulation's, far below fp32's).
+TuneFleet's ``reported_mfu`` is the loop's own, which counts the output layer only at
+labelled positions (where it runs it) against the fp32 peak it measured at start-up: the
+stricter figure.
 
-    .venv/bin/python bench/train_throughput.py    # ~12 min; bench/results/train_throughput.json
+    .venv/bin/python bench/train_throughput.py    # ~9 min; bench/results/train_throughput.json
 """
 
 from __future__ import annotations

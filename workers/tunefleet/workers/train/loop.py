@@ -65,7 +65,9 @@ def precision_context(spec: JobSpec, device_type: str) -> Any:
 
 
 def enable_fp8(model: Any) -> None:
-    """Float8 training of the linear layers (torchao), on GPUs of compute capability 8.9+."""
+    """Float8 training of the linear layers (torchao), on GPUs of compute capability 8.9+,
+    except the output layer: it stays in the autocast dtype (as torchtitan does), and the
+    loss runs it on the labelled positions only, a row count fp8 GEMMs cannot take."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         raise RuntimeError(
             "tunefleet.precision 'fp8' needs a GPU of compute capability 8.9 or newer "
@@ -76,7 +78,8 @@ def enable_fp8(model: Any) -> None:
         from torchao.float8 import convert_to_float8_training  # type: ignore[import-not-found]
     except ImportError as exc:
         raise RuntimeError("tunefleet.precision 'fp8' needs torchao on the workers") from exc
-    convert_to_float8_training(model)
+    output_layer = model.get_output_embeddings()
+    convert_to_float8_training(model, module_filter_fn=lambda m, _fqn: m is not output_layer)
 
 
 def probe_micro_batch(
@@ -115,7 +118,7 @@ def probe_micro_batch(
     def fits(size: int) -> bool:
         ok = fit(size, lambda: attempt(size))
         if dist.is_available() and dist.is_initialized() and world > 1:
-            flag = torch.tensor([int(ok)])
+            flag = torch.tensor([int(ok)], device=device)  # NCCL reduces device tensors
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             ok = bool(flag.item())
         return ok
@@ -148,8 +151,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     )
     built = build_model(spec, config["model_path"])
     trainable, total = built.trainable, built.total
-    # the output layer runs only where a label is (loss.py); hooked before any wrapping
-    labelled = LabelledLogits(built.model.get_output_embeddings())
     device_type = ray.train.torch.get_device().type
     # A resumed run loads the method's weights before the model is wrapped or sharded;
     # optimizer and scheduler state once they exist (below).
@@ -160,6 +161,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         ckpt_files.load_model(ckpt_dir, built)
     if spec.tunefleet.precision == "fp8":
         enable_fp8(built.model)
+    # the output layer runs only where a label is (loss.py); hooked before any wrapping
+    labelled = LabelledLogits(built.model.get_output_embeddings())
     strategy = "ddp" if spec.tunefleet.strategy == "auto" else spec.tunefleet.strategy
     # one worker has nothing to shard, but zero3_offload still moves its parameters, grads
     # and optimizer states to host memory (GPU workers only: spec.py)
@@ -338,7 +341,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 status = s.scalar(select(Job.status).where(Job.id == spec.job_id))
             code = {"paused": 1, "cancelled": 2}.get(status or "", 0)
         if dist.is_available() and dist.is_initialized() and world > 1:
-            flag = torch.tensor([code])
+            flag = torch.tensor([code], device=device)
             dist.broadcast(flag, src=0)
             code = int(flag.item())
         return {1: "paused", 2: "cancelled"}.get(code)
@@ -346,7 +349,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     def global_sum(*local: int) -> list[int]:
         """Counts summed over all workers."""
         if dist.is_available() and dist.is_initialized() and world > 1:
-            total = torch.tensor(local)
+            total = torch.tensor(local, device=device)
             dist.all_reduce(total)
             return [int(v) for v in total.tolist()]
         return list(local)
@@ -359,7 +362,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         assert validation is not None
         share = validation.examples[rank::world]
         passes = math.ceil(math.ceil(len(validation.examples) / world) / micro)
-        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, label tokens
+        # loss sum, correct, label tokens
+        totals = torch.zeros(3, dtype=torch.float64, device=device)
         model.eval()
         with torch.no_grad():
             for i in range(passes):
@@ -383,7 +387,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     # --- steps ----------------------------------------------------------------------
     model.train()
-    started, window_start = time.perf_counter(), time.perf_counter()
+    started = time.perf_counter()
     window_tokens = window_samples = window_labels = 0
     start_step = step
     epoch = step // steps_per_epoch
@@ -395,6 +399,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         for local_step in range(step % steps_per_epoch, steps_per_epoch):
             if step >= total_steps:
                 break
+            window_start = time.perf_counter()  # a step's throughput times its training only
             picks = [mine[(local_step * per_step + j) % len(mine)] for j in range(per_step)]
             step_loss, local_tokens, local_samples, local_labels = 0.0, 0, 0, 0
             for a in range(accum):
@@ -425,6 +430,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens, samples, labels = global_sum(local_tokens, local_samples, local_labels)
+            if device.type == "cuda":  # the optimizer step's kernels may still be queued
+                torch.cuda.synchronize(device)
             trained_at = time.perf_counter()  # throughput leaves out the evaluation below
             every = spec.tunefleet.checkpoint_every_steps
             # with a validation file: at every checkpoint and at the end
@@ -476,9 +483,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                         trained_tokens=trained_tokens,
                         eta_s=(total_steps - step) / rate if rate > 0 else None,
                     )
-            # the next step's window opens here: the evaluation and the metrics write
-            # above count for no step
-            window_start = time.perf_counter()
             if step < total_steps and (stop := requested_stop()):
                 if stop == "paused":
                     save_checkpoint(False, {"train_loss": last_loss, "stopped": stop})

@@ -37,7 +37,13 @@ class LabelledLogits:
         hidden, labels = args[0], self._labels
         # prompt tuning puts its virtual tokens before the inputs (unlabelled; the last
         # one predicts the first input token, as in peft's own loss)
-        if (extra := hidden.shape[1] - labels.shape[1]) > 0:
+        extra = hidden.shape[1] - labels.shape[1]
+        if extra < 0:
+            raise RuntimeError(
+                f"the output layer got {hidden.shape[1]} positions for {labels.shape[1]} "
+                "labels: call the model without logits_to_keep"
+            )
+        if extra:
             labels = F.pad(labels, (extra, 0), value=IGNORE)
         predicts = labels[:, 1:] != IGNORE  # position t predicts token t+1
         self._targets = labels[:, 1:][predicts]
