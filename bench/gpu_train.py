@@ -20,7 +20,6 @@ others still run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -45,13 +44,9 @@ JOBS: dict[str, dict[str, Any]] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--accum", type=int, default=1)
-    parser.add_argument("--max-seq-len", type=int, default=1024)
-    parser.add_argument("--examples", type=int, default=400)
-    parser.add_argument("--seed", type=int, default=7)
+    parser = train_throughput.workload_parser(
+        __doc__.splitlines()[0], steps=20, micro_batch=8, accum=1, max_seq_len=1024
+    )
     parser.add_argument("--only", nargs="*", choices=list(JOBS), default=list(JOBS))
     args = parser.parse_args()
 

@@ -261,14 +261,24 @@ def run_tunefleet(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--accum", type=int, default=2)
-    parser.add_argument("--max-seq-len", type=int, default=256)
+def workload_parser(
+    description: str, *, steps: int, micro_batch: int, accum: int, max_seq_len: int
+) -> argparse.ArgumentParser:
+    """The options of a training workload (``run_tunefleet``'s ``args``), with defaults."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--micro-batch", type=int, default=micro_batch)
+    parser.add_argument("--accum", type=int, default=accum)
+    parser.add_argument("--max-seq-len", type=int, default=max_seq_len)
     parser.add_argument("--examples", type=int, default=400)
     parser.add_argument("--seed", type=int, default=7)
+    return parser
+
+
+def main() -> None:
+    parser = workload_parser(
+        __doc__.splitlines()[0], steps=6, micro_batch=4, accum=2, max_seq_len=256
+    )
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT / "workers"))

@@ -16,11 +16,14 @@ import torch
 from tinyllm import save_random_lora
 from tunefleet.workers.serve.engine import BatchEngine, generate_all
 from tunefleet.workers.serve.generate import Sampling, eos_ids
+from tunefleet.workers.serve.kvcache import GROW, BatchCache
 from tunefleet.workers.serve.multilora import (
     AdapterCache,
     AdapterError,
     CacheFullError,
     MultiLoraModel,
+    PackedLinear,
+    pack,
 )
 
 TINY = "tiny-llama"
@@ -263,3 +266,112 @@ def test_a_failed_step_fails_its_rows_and_the_engine_goes_on(
     assert engine.active == [] and engine.cache is None
     done = generate_all(engine, setup["tok"], [(setup["prompts"][0], GREEDY, 0)])
     assert done[0].completion_tokens > 0
+
+
+def test_long_rows_cross_cache_blocks_while_others_join_and_leave(setup: dict[str, Any]) -> None:
+    """Rows decoding past several KV-cache blocks (``kvcache.GROW`` columns each), others
+    joining with other prompt lengths and leaving early: every row gets its tokens alone."""
+    engine, cache = _server(setup)
+    engine.eos = set()  # run every row to its max_tokens
+    long_s, short_s = Sampling(max_tokens=3 * GROW + 3, temperature=0), Sampling(5, 0)
+    p = setup["prompts"]
+    waves = [
+        [(p[2], long_s, cache.acquire("a1")), (p[3], short_s, cache.acquire("a2"))],
+        [(p[0], long_s, cache.acquire("a4")), (p[1], short_s, 0)],  # joins after 7 steps
+        [(p[3], Sampling(GREEDY.max_tokens, 0), cache.acquire("a3"))],  # after 20 steps
+    ]
+    items = [it for wave in waves for it in wave]
+    expected = [generate_all(engine, setup["tok"], [it])[0].token_ids for it in items]
+    got: list[list[int]] = [[] for _ in items]
+
+    def sink(i: int) -> Any:
+        return lambda token, finish: token is not None and got[i].append(token)
+
+    k = 0
+    for wave, steps in zip(waves, (7, 13, 0), strict=True):
+        for prompt, sampling, slot in wave:
+            engine.submit(prompt, sampling, slot, sink(k))
+            k += 1
+        for _ in range(steps):
+            engine.step()
+    engine.run_until_idle()
+    assert got == expected
+    assert [len(g) for g in got] == [s.max_tokens for _, s, _ in items]
+
+
+def test_batch_cache_writes_in_place_joins_and_selects() -> None:
+    torch.manual_seed(0)
+
+    def states(rows: int, n: int) -> torch.Tensor:
+        return torch.randn(rows, 2, n, 4)
+
+    a, b = BatchCache(), BatchCache()
+    ka, kb = states(2, 5), states(3, 9)
+    assert a.get_mask_sizes(5, 0) == (GROW, 0)  # what the first update returns
+    keys, _ = a.update(ka, ka + 1, 0)
+    b.update(kb, kb + 1, 0)
+    assert keys.shape[2] == GROW and a.length == 5
+    steps = [states(2, 1) for _ in range(GROW)]  # crosses a block boundary
+    for step in steps:
+        width = a.get_mask_sizes(1, 0)[0]
+        keys, values = a.update(step, step + 1, 0)
+        assert keys.shape[2] == width
+    written = torch.cat([ka, *steps], dim=2)
+    assert a.length == 5 + GROW and keys.shape[2] == 2 * GROW
+    assert torch.equal(keys[:, :, : a.length], written)
+    assert torch.equal(values[:, :, : a.length], written + 1)
+    assert not keys[:, :, a.length :].any()
+
+    a.join(b)  # b's 9 columns right-aligned with a's 21, zeros on their left
+    layer = a.layers[0]
+    assert a.length == 5 + GROW and layer.keys.shape[0] == 5
+    assert torch.equal(layer.keys[:2, :, : a.length], written)
+    assert torch.equal(layer.keys[2:, :, a.length - 9 : a.length], kb)
+    assert not layer.keys[2:, :, : a.length - 9].any()
+
+    a.select(torch.tensor([3, 0]), first=2)
+    assert a.length == 3 + GROW and layer.keys.shape[0] == 2
+    assert torch.equal(layer.keys[0, :, a.length - 9 : a.length], kb[1])
+    assert torch.equal(layer.keys[1, :, : a.length], written[0, :, 2:])
+    assert torch.equal(layer.values[1, :, : a.length], written[0, :, 2:] + 1)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-with-biases"])
+def test_linear_layers_are_packed_and_copied_back_plain(tied: bool) -> None:
+    """On a CPU every linear layer (the output layer too) runs from a oneDNN-packed weight:
+    the products of ``nn.Linear``, a row's result the same bits whatever the batch, and
+    ``base_copy`` gives back plain layers with the same weights, a tied head still tied."""
+    from torch import nn
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        attention_bias=tied,
+    )
+    base = LlamaForCausalLM(config).eval()
+    plain = copy.deepcopy(base)
+    lora = MultiLoraModel(base, max_adapters=2)
+    names = [n for n, m in plain.named_modules() if type(m) is nn.Linear]
+    assert sorted(lora.packed) == sorted(names) and "lm_head" in names
+    with torch.inference_mode():
+        for name in names:
+            layer, reference = base.get_submodule(name), plain.get_submodule(name)
+            assert type(layer) is PackedLinear
+            x = torch.randn(6, 3, layer.in_features)
+            torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
+            assert torch.equal(layer(x)[:1], layer(x[:1]))
+    copied = lora.base_copy()
+    for name in names:
+        layer, reference = copied.get_submodule(name), plain.get_submodule(name)
+        assert type(layer) is nn.Linear
+        assert torch.equal(layer.weight, reference.weight)
+        assert (layer.bias is None) == (reference.bias is None)
+    assert (copied.lm_head.weight is copied.model.embed_tokens.weight) == tied
+    assert pack(nn.Linear(4, 4).to(torch.float64)) is None  # fp32 only; left as it is

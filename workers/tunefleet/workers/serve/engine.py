@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from tunefleet.workers.serve.generate import Finished, Sampling, TextStream, pick_token
+from tunefleet.workers.serve.kvcache import BatchCache
 from tunefleet.workers.serve.multilora import MultiLoraModel
 
 # Padding allowed in a prefill group, as a share of its real prompt tokens.
@@ -54,14 +54,6 @@ class Request:
         self.cancelled = True
 
 
-def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
-    """Pad a ``[batch, heads, T, dim]`` cache tensor with ``n`` zero positions on the left."""
-    if n == 0:
-        return t
-    pad = t.new_zeros(t.shape[0], t.shape[1], n, t.shape[3])
-    return torch.cat([pad, t], dim=2)
-
-
 class BatchEngine:
     def __init__(
         self,
@@ -80,7 +72,7 @@ class BatchEngine:
         self.pad_id = pad_id
         self.pending: queue.Queue[Request] = queue.Queue()
         self.active: list[Request] = []
-        self.cache: DynamicCache | None = None
+        self.cache: BatchCache | None = None
         self.mask: torch.Tensor | None = None  # [rows, T] 1 = real token
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -164,7 +156,7 @@ class BatchEngine:
         ids: torch.Tensor,
         mask: torch.Tensor,
         positions: torch.Tensor,
-        cache: DynamicCache,
+        cache: BatchCache,
     ) -> torch.Tensor:
         with self.lora.lock, torch.inference_mode():
             self.lora.set_rows([r.slot for r in rows])
@@ -203,26 +195,21 @@ class BatchEngine:
             ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
             mask[i, width - len(r.prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = BatchCache()
         logits = self._forward(new, ids, mask, positions, cache)
         for r in new:
             r.length = len(r.prompt)
         self._join(new, cache, mask)
         self._emit(new, logits)
 
-    def _join(self, new: list[Request], cache: DynamicCache, mask: torch.Tensor) -> None:
+    def _join(self, new: list[Request], cache: BatchCache, mask: torch.Tensor) -> None:
         """Append prefilled rows to the running batch, left-padding the shorter cache."""
         if self.cache is None or self.mask is None or not self.active:
             self.active, self.cache, self.mask = list(new), cache, mask
             return
         t_old, t_new = self.mask.shape[1], mask.shape[1]
         width = max(t_old, t_new)
-        old_layers: list[Any] = list(self.cache.layers)
-        for old_layer, new_layer in zip(old_layers, list(cache.layers), strict=True):
-            for name in ("keys", "values"):
-                a = _pad_left(getattr(old_layer, name), width - t_old)
-                b = _pad_left(getattr(new_layer, name), width - t_new)
-                setattr(old_layer, name, torch.cat([a, b], dim=0))
+        self.cache.join(cache)
         pad = torch.nn.functional.pad
         self.mask = torch.cat([pad(self.mask, (width - t_old, 0)), pad(mask, (width - t_new, 0))])
         self.active.extend(new)
@@ -270,10 +257,7 @@ class BatchEngine:
         # columns that are padding in every remaining row
         first_real = int((self.mask.cumsum(-1) == 0).sum(-1).min())
         self.mask = self.mask[:, first_real:]
-        layers: list[Any] = list(self.cache.layers)
-        for layer in layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, first_real:]
-            layer.values = layer.values.index_select(0, index)[:, :, first_real:]
+        self.cache.select(index, first_real)
 
 
 def generate_all(

@@ -35,23 +35,27 @@ GPU_PEAK_FLOPS = {
 }
 
 
+def _flops_per_param(total_params: int, trainable_params: int) -> int:
+    """Training FLOPs per parameter per token: forward 2, gradient of the input 2, and
+    gradient of the weight 2 where the weights are trained (full fine-tuning, or close)."""
+    return 6 if trainable_params >= 0.5 * total_params else 4
+
+
 def flops_per_token(total_params: int, trainable_params: int, config: Any, seq: float) -> float:
     """Training FLOPs per token for a model of ``total_params`` of which
     ``trainable_params`` are trained, at mean sequence length ``seq``."""
-    full = trainable_params >= 0.5 * total_params  # full fine-tuning (or close to it)
-    per_param = 6 if full else 4
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
+    per_param = _flops_per_param(total_params, trainable_params)
     return per_param * total_params + 12 * layers * hidden * seq
 
 
 def output_layer_flops(total_params: int, trainable_params: int, config: Any) -> float:
     """The part of ``flops_per_token`` that is the output layer's. The loop runs it only at
     labelled positions (``loss.py``) and counts it only there."""
-    full = trainable_params >= 0.5 * total_params
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
-    return (6 if full else 4) * vocab * hidden
+    return _flops_per_param(total_params, trainable_params) * vocab * hidden
 
 
 def native_cpu_dtype(dtype: torch.dtype) -> bool:
@@ -66,8 +70,8 @@ def native_cpu_dtype(dtype: torch.dtype) -> bool:
 
 def measure_cpu_peak(dtype: torch.dtype, seconds: float = 0.2) -> float:
     """FLOP/s of the best of three square GEMMs in ``dtype`` on this process's threads:
-    the CPU's practical peak for this run. (On CPUs without native bf16/fp16 arithmetic
-    those dtypes run 30-50x slower than fp32; the peak says so.)"""
+    the CPU's practical peak for this run. Meaningful for dtypes the CPU computes natively
+    (``native_cpu_dtype``); the loop measures no other, the training bench reports both."""
     best = 0.0
     # its own generator: the training's random stream (dropout, and what a resumed run
     # restores from its checkpoint) must not move
