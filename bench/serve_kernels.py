@@ -144,8 +144,9 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if args.quick:
-        packed = packed_vs_plain(model_path, tokenizer, 4, 8, 4, 1)
-        kv = kv_cache(model_path, 2, 64, 4, 1)
+        args.repeats = 1
+        packed = packed_vs_plain(model_path, tokenizer, 4, 8, 4, args.repeats)
+        kv = kv_cache(model_path, 2, 64, 4, args.repeats)
     else:
         packed = packed_vs_plain(model_path, tokenizer, 32, 128, 32, args.repeats)
         kv = kv_cache(model_path, 16, 768, 32, args.repeats)
