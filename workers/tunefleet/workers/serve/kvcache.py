@@ -5,7 +5,7 @@ the whole cache to append each token (a copy of every layer's keys and values pe
 Attention reads the full buffers; columns past the written ``length`` are zeros and
 masked (transformers pads the engine's 2-D mask with zeros to the width
 ``get_mask_sizes`` reports). Capacity grows ``GROW`` columns at a time, so a decode step
-copies the cache once every ``GROW`` steps and attends over at most ``GROW - 1`` empty
+copies the cache once every ``GROW`` steps and attends over at most ``GROW`` empty
 columns. Rows join (``join``, left-padded to a common width) and leave (``select``) the
 batch between steps.
 """
