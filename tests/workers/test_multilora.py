@@ -151,13 +151,38 @@ def test_cache_evicts_lru_keeps_pinned_and_in_flight(setup: dict[str, Any]) -> N
     with pytest.raises(CacheFullError, match="pinned adapters or adapters with requests"):
         cache.acquire("a4")  # a1 pinned, a3 in flight
     cache.release("a3")
-    cache.acquire("a4", hold=False)
+    s4 = cache.acquire("a4", hold=False)
     assert evicted == ["a2", "a3"]
     assert {e["id"] for e in cache.loaded()} == {"a1", "a4"}
     assert loaded == ["a1", "a2", "a3", "a4"]
-    cache.acquire("a1", pin=False, hold=False)
+    s1 = cache.acquire("a1", pin=False, hold=False)
     assert cache.unload("a1") and not cache.unload("a1")
-    assert all(e["load_ms"] < 1000 for e in cache.loaded())
+    entries = [(e["id"], e["slot"], e["rank"], e["pinned"], e["in_flight"]) for e in cache.loaded()]
+    assert entries == [("a4", s4, 16, False, 0)]
+    # What a load guarantees: a4's slot holds exactly its file's factors (B times
+    # alpha / r, zero-padded to the widest rank); its slot in layers it does not target,
+    # the slot a1 left and slot 0 (the bare base) are all zeros.
+    from safetensors.torch import load_file
+
+    folder = setup["folder"] / "a4"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    assert not config["use_rslora"]
+    scale = config["lora_alpha"] / config["r"]
+    prefix, suffix = "base_model.model.", ".lora_A.weight"
+    in_file = {k.removeprefix(prefix).removesuffix(suffix) for k in weights if k.endswith(suffix)}
+    assert in_file and in_file <= set(cache.lora.layers)
+    for name, layer in cache.lora.layers.items():
+        if name in in_file:
+            a = weights[f"{prefix}{name}.lora_A.weight"].float()
+            b = weights[f"{prefix}{name}.lora_B.weight"].float()
+            r = a.shape[0]
+            assert torch.equal(layer.A[s4, :, :r], a.T) and not layer.A[s4, :, r:].any()
+            assert torch.equal(layer.B[s4, :r], (b * scale).T) and not layer.B[s4, r:].any()
+        else:
+            assert not layer.A[s4].any() and not layer.B[s4].any(), name
+        for empty in (s1, 0):
+            assert not layer.A[empty].any() and not layer.B[empty].any(), (name, empty)
 
 
 def test_unusable_adapters_are_refused_by_name(
@@ -218,6 +243,7 @@ def test_qlora_adapter_on_a_4bit_base_and_merged_into_its_dequantized_copy(
     de-quantized base (what merged mode does with a 4-bit base) it gives the same."""
     from peft import PeftModel
 
+    from tunefleet.workers.nf4 import dequantize_4bit_model
     from tunefleet.workers.serve.multilora import load_base
 
     base = load_base(setup["path"], "nf4")
@@ -237,11 +263,59 @@ def test_qlora_adapter_on_a_4bit_base_and_merged_into_its_dequantized_copy(
         ref = next((ref[:i] for i, t in enumerate(ref) if t in eos), ref)
         assert g.token_ids == ref
 
-    merged_base = lora.base_copy().dequantize()
+    merged_base = dequantize_4bit_model(lora.base_copy())
     merged = PeftModel.from_pretrained(merged_base, setup["folder"] / "a2").merge_and_unload()
     alone = BatchEngine(MultiLoraModel(merged, max_adapters=1), eos_ids(merged, setup["tok"]))
     again = generate_all(alone, setup["tok"], [(p, GREEDY, 0) for p in prompts])
     assert [a.token_ids for a in again] == [g.token_ids for g in got]
+
+
+def test_a_4bit_base_dequantizes_into_the_weights_its_forward_multiplies_by(
+    setup: dict[str, Any], tmp_path: Path
+) -> None:
+    """After the 4-bit base has run (where bitsandbytes would repack it for its bf16 kernel
+    on an AVX512-BF16 CPU), each 4-bit layer of a de-quantized copy is an fp32 ``nn.Linear``
+    holding bitsandbytes' fp32 de-quantization of its weight, bit for bit, and the copy
+    gives the 4-bit model's logits (atol 1e-5), which weights rounded to bf16 do not; it
+    saves and loads as a plain model."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import dequantize_4bit
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    from tunefleet.workers.nf4 import dequantize_4bit_model
+    from tunefleet.workers.serve.multilora import load_base
+
+    nf4 = load_base(setup["path"], "nf4")
+    layers = {n: m for n, m in nf4.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert len(layers) == 14  # 7 per decoder block; the output layer stays fp32
+    expected = {n: dequantize_4bit(m.weight.data, m.weight.quant_state) for n, m in layers.items()}
+    assert {w.dtype for w in expected.values()} == {torch.float32}
+    ids = torch.tensor([setup["prompts"][2]])
+    with torch.inference_mode():
+        logits = nf4(ids).logits
+    plain = dequantize_4bit_model(copy.deepcopy(nf4))
+    for name, weight in expected.items():
+        layer = plain.get_submodule(name)
+        assert type(layer) is nn.Linear and torch.equal(layer.weight, weight), name
+    assert not getattr(plain, "is_loaded_in_4bit", False)
+    assert getattr(plain, "hf_quantizer", None) is None
+    assert not hasattr(plain.config, "quantization_config")
+    with torch.inference_mode():
+        torch.testing.assert_close(plain(ids).logits, logits, rtol=0, atol=1e-5)
+
+    rounded = copy.deepcopy(plain)  # what de-quantizing through bf16 would give
+    for name in expected:
+        weight = rounded.get_submodule(name).weight
+        weight.data = weight.data.to(torch.bfloat16).float()
+    with torch.inference_mode():
+        assert (rounded(ids).logits - logits).abs().max() > 1e-3
+
+    plain.save_pretrained(tmp_path)
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        assert torch.equal(reloaded(ids).logits, plain(ids).logits)
 
 
 def test_a_failed_step_fails_its_rows_and_the_engine_goes_on(

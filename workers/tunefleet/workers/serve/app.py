@@ -30,6 +30,7 @@ from ray import serve
 from transformers import AutoTokenizer
 
 from tunefleet.platform.artifacts import ArtifactStore
+from tunefleet.workers.nf4 import dequantize_4bit_model
 from tunefleet.workers.serve.engine import BatchEngine
 from tunefleet.workers.serve.generate import Finished, Sampling, TextStream, eos_ids
 from tunefleet.workers.serve.multilora import (
@@ -149,11 +150,11 @@ def _sink(loop: asyncio.AbstractEventLoop, out: "asyncio.Queue[Any]", index: int
 
 def _merge_into_copy(base: Any, folder: Path) -> Any:
     """The adapter merged (``merge_and_unload``) into ``base``, a copy of the served base;
-    a 4-bit base is de-quantized first."""
+    a 4-bit base is first de-quantized into the weights its forward multiplies by."""
     from peft import PeftModel
 
     if getattr(base, "is_loaded_in_4bit", False):
-        base = base.dequantize()
+        base = dequantize_4bit_model(base)
     return PeftModel.from_pretrained(base, str(folder)).merge_and_unload().eval()
 
 

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from tunefleet.workers.nf4 import keep_compute_dtype
+
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -289,7 +291,8 @@ def factors(
 
 def load_base(model_path: str | Path, quantization: str = "none") -> nn.Module:
     """The base model for serving, in fp32 or quantized to 4-bit NF4 (double quantization,
-    fp32 compute) to serve QLoRA adapters on the base they were trained on."""
+    fp32 compute on every CPU: see ``nf4``) to serve QLoRA adapters on the base they were
+    trained on."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": torch.float32}
@@ -305,6 +308,8 @@ def load_base(model_path: str | Path, quantization: str = "none") -> nn.Module:
     elif quantization != "none":
         raise ValueError(f"base_quantization {quantization!r}: use 'none' or 'nf4'")
     model: nn.Module = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
+    if quantization == "nf4":
+        keep_compute_dtype(model)
     return model.eval()
 
 

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tunefleet.platform.spec import PEFT_METHODS, JobSpec
+from tunefleet.workers.nf4 import dequantize_4bit_model, keep_compute_dtype
 
 TRAINABLE_FILE = "trainable.safetensors"
 METHOD_FILE = "tunefleet_method.json"
@@ -105,7 +106,12 @@ def load_base(spec: JobSpec, model_path: str) -> Any:
         kwargs["dtype"] = DTYPES[opts.precision]  # a frozen base in 16 bits
     if opts.rope_scaling is not None:
         kwargs["config"] = rope_scaled_config(model_path, opts.rope_scaling)
-    return AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", **kwargs)
+    if opts.method == "qlora":
+        # else the first evaluation (eval mode, no gradients) on an AVX512-BF16 CPU switches
+        # the 4-bit layers to a bf16 kernel, one without a backward, for the rest of the run
+        keep_compute_dtype(model)
+    return model
 
 
 def rope_scaled_config(model_path: str, scaling: Any) -> Any:
@@ -279,7 +285,7 @@ def merged_model(spec: JobSpec, model_path: str, folder: Path) -> Any:
 
         base = load_base(spec, model_path)  # QLoRA: the 4-bit base the adapter trained on
         if getattr(base, "is_loaded_in_4bit", False):
-            base = base.dequantize()
+            base = dequantize_4bit_model(base)
         return PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
     from transformers import AutoModelForCausalLM
 
