@@ -19,6 +19,7 @@ import torch
 from tunefleet.platform.datasets import detect_format
 
 IGNORE = -100
+_PLACEHOLDER = "\x00tunefleet-content\x00"
 
 
 @dataclass
@@ -49,13 +50,15 @@ def _chat_example(tokenizer: Any, messages: list[dict[str, Any]]) -> Example:
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant" or msg.get("weight", 1) == 0:
             continue
-        start = (
-            len(
-                tokenizer.apply_chat_template(clean[:i], tokenize=False, add_generation_prompt=True)
+        if i:
+            prefix = tokenizer.apply_chat_template(
+                clean[:i], tokenize=False, add_generation_prompt=True
             )
-            if i
-            else 0
-        )
+            start = len(prefix)
+        else:  # no messages to prompt with: where the template puts the content, after
+            # whatever it writes first (a role header, a default system prompt)
+            alone = [{**clean[0], "content": _PLACEHOLDER}]
+            start = tokenizer.apply_chat_template(alone, tokenize=False).rfind(_PLACEHOLDER)
         end = len(tokenizer.apply_chat_template(clean[: i + 1], tokenize=False))
         spans.append((start, end))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
