@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable
 
+import httpx
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 
 from conftest import auth as H
 from conftest import upload_chat
-from tunefleet.platform.db import session_scope
+from tunefleet.platform.db import Job, JobEvent, session_scope
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.tenants import create_key, create_tenant
 
@@ -61,7 +64,10 @@ def test_admin_manages_tenants_keys_and_sees_all_jobs(
     assert over.status_code == 429
     assert over.json()["error"]["code"] == "quota_exceeded"
     assert "asks for 2 GPUs" in over.json()["error"]["message"]
-    app_client.patch(f"/v1/admin/tenants/{made['id']}", headers=H(admin), json={"max_gpus": 2})
+    raised = app_client.patch(
+        f"/v1/admin/tenants/{made['id']}", headers=H(admin), json={"max_gpus": 2}
+    )
+    assert raised.status_code == 200 and raised.json()["max_gpus"] == 2, raised.text
     ok = app_client.post("/v1/fine_tuning/jobs", headers=H(made["api_key"]), json=body)
     assert ok.status_code == 200
 
@@ -70,19 +76,45 @@ def test_admin_manages_tenants_keys_and_sees_all_jobs(
 
 
 def test_concurrent_retries_with_one_idempotency_key_make_one_job(
-    app_client: TestClient, key_a: str
+    live_server: Callable[..., str], key_a: str, settings: Settings
 ) -> None:
-    f = upload_chat(app_client, key_a)
+    """Retries of one create, released together against two API servers on one database
+    (each its own event loop, as the deployment's uvicorn workers are), all answer 200
+    with the one job that the unique index let in; the losers leave nothing behind."""
+    urls = [live_server(), live_server()]
+    with httpx.Client(base_url=urls[0]) as client:
+        f = upload_chat(client, key_a)
     body = {"model": "tiny-llama", "training_file": f["id"]}
+    headers = {**H(key_a), "Idempotency-Key": "same"}
+    racers = 16
+    barrier = threading.Barrier(racers)
+    responses: dict[int, httpx.Response] = {}
+    errors: list[Exception] = []
 
-    def create(_: int) -> str:
-        resp = app_client.post(
-            "/v1/fine_tuning/jobs", json=body, headers={**H(key_a), "Idempotency-Key": "same"}
-        )
-        assert resp.status_code == 200, resp.text
-        return str(resp.json()["id"])
+    def create(i: int) -> None:
+        try:
+            with httpx.Client(base_url=urls[i % len(urls)], timeout=60) as client:
+                # open the connection first, so the barrier releases only the POSTs
+                assert client.get("/healthz").status_code == 200
+                barrier.wait(timeout=30)
+                responses[i] = client.post("/v1/fine_tuning/jobs", json=body, headers=headers)
+        except Exception as e:  # reported below, with the thread it came from
+            errors.append(e)
+            barrier.abort()
 
-    with ThreadPoolExecutor(8) as pool:
-        ids = set(pool.map(create, range(16)))
-    assert len(ids) == 1
-    assert len(app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"]) == 1
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(racers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and len(responses) == racers
+    answers = [(r.status_code, r.text) for r in responses.values()]
+    assert [status for status, _ in answers] == [200] * racers, answers
+    jobs = {r.json()["id"]: r.json() for r in responses.values()}
+    assert len(jobs) == 1, sorted(jobs)
+    (job_id, job), *_ = jobs.items()
+    assert job["status"] == "validating_files" and job["training_file"] == f["id"]
+    with session_scope(settings.resolved_database_url) as s:
+        stored = [(j.id, j.idempotency_key) for j in s.scalars(select(Job))]
+        assert stored == [(job_id, "same")]
+        assert list(s.scalars(select(JobEvent.job_id))) == [job_id]

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
-from tunefleet.api import create_app
 from tunefleet.cli.main import app
 from tunefleet.platform.db import session_scope
 from tunefleet.platform.settings import Settings
@@ -24,23 +18,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
 
 
 @pytest.fixture
-def server(settings: Settings) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(settings), port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            httpx.get(url + "/healthz")
-            break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    yield url
-    srv.should_exit = True
-    thread.join(10)
+def server(live_server: Callable[..., str]) -> str:
+    return live_server()
 
 
 def test_cli_drives_files_and_jobs(

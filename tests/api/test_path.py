@@ -215,8 +215,10 @@ def test_training_options_are_stored_and_hardware_needs_named(
     assert "gpus_per_worker" in err["error"]["message"]
     status, err = create({"optimizer": "paged_adamw_8bit"})
     assert status == 422 and "'paged_adamw_8bit'" in err["error"]["message"]
-    status, err = create({"precision": "fp8", "resources": {"gpus_per_worker": 1}})
-    assert status != 422  # accepted for GPU workers (the quota may still say no)
+    status, job = create({"precision": "fp8", "resources": {"gpus_per_worker": 1}})
+    assert status == 200, job  # accepted for GPU workers (1 GPU is within tenant-a's quota)
+    assert job["status"] == "validating_files" and job["tunefleet"]["precision"] == "fp8"
+    assert job["tunefleet"]["resources"]["gpus_per_worker"] == 1
     status, err = create({"method": "bitfit"})
     assert status == 400 and err["error"]["param"] == "tunefleet.method"
     assert "bias" in err["error"]["message"]

@@ -183,11 +183,109 @@ def test_retry_backoff_waits_until_not_before() -> None:
     assert isinstance(d, Dispatch)
 
 
-def test_planning_is_fast_for_a_thousand_jobs() -> None:
-    jobs = [q(f"j{i}", f"t{i % 20}", i, priority=i % 3) for i in range(1000)]
-    quotas = {f"t{i}": TenantQuota(f"t{i}") for i in range(20)}
-    decisions = plan(Snapshot(jobs, [], quotas, [Node(f"n{i}", cpus=8) for i in range(4)]), 2000.0)
-    assert len(decisions) == 1000
-    assert len(by_kind(decisions, Dispatch)) == 32
-    waits = by_kind(decisions, Wait)
+def test_a_thousand_jobs_of_twenty_tenants_on_32_nodes_keep_every_rule() -> None:
+    """At scale every rule still holds, checked against the decisions alone (no timing:
+    bench/controller.py measures planning): one decision per job, gangs within their
+    nodes' free room, tenants within quota, every tenant started, every wait true."""
+    tenants = [f"t{i:02d}" for i in range(20)]
+    quotas = {
+        t: TenantQuota(t, max_concurrent_jobs=2 + i % 6 * 2, max_gpus=float(i % 5) * 2)
+        for i, t in enumerate(tenants)
+    }
+    nodes = [
+        Node(f"n{i:02d}", cpus=16, gpus=4 if i % 2 else 0, free_cpus=16 - i % 4) for i in range(32)
+    ]
+    shapes = [  # (workers, CPUs per worker, GPUs per worker)
+        (1, 1, 0),
+        (2, 2, 0),
+        (4, 4, 0),
+        (1, 2, 1),
+        (2, 4, 2),
+        (4, 8, 0),
+        (3, 1, 5),  # needs more GPUs than any node has: rejected
+    ]
+    jobs = [
+        q(
+            f"j{i:04d}",
+            tenants[(i * 7) % 20],
+            i,
+            priority=i % 3,
+            workers=shapes[i % 7][0],
+            cpus_per_worker=shapes[i % 7][1],
+            gpus_per_worker=shapes[i % 7][2],
+            not_before=3000.0 if i % 50 == 0 else None,
+        )
+        for i in range(1000)
+    ]
+    running = [RunningJob(f"r{i}", tenants[i], cpus=2, gpus=i % 2) for i in (4, 9, 10, 17)]
+    now, starving = 1000.0, 900.0  # jobs queued in the first 100 s may reserve room
+    decisions = plan(Snapshot(jobs, running, quotas, nodes, starvation_s=starving), now)
+
+    job_of = {j.id: j for j in jobs}
+    assert sorted(d.job_id for d in decisions) == sorted(job_of)  # one decision per job
+    dispatches, waits = by_kind(decisions, Dispatch), by_kind(decisions, Wait)
+    rejected = {d.job_id for d in by_kind(decisions, Reject)}
+    assert rejected == {j.id for j in jobs if j.gpus_per_worker > 4}
     assert [w.position for w in waits] == list(range(1, len(waits) + 1))
+    backoff = {j.id for j in jobs if j.not_before is not None} - rejected
+    assert {w.job_id for w in waits if "retrying after a failed run" in w.reason} == backoff
+
+    # gangs: every worker placed, on room that was free
+    free = {n.id: list(n.free) for n in nodes}
+    for d in dispatches:
+        job = job_of[d.job_id]
+        assert len(d.nodes) == job.workers
+        for node_id in d.nodes:
+            free[node_id][0] -= job.cpus_per_worker
+            free[node_id][1] -= job.gpus_per_worker
+    assert all(cpus >= 0 and gpus >= 0 for cpus, gpus in free.values()), free
+
+    # quotas: running plus started stays within each tenant's
+    jobs_of = {t: sum(r.tenant_id == t for r in running) for t in tenants}
+    gpus_of = {t: sum(r.gpus for r in running if r.tenant_id == t) for t in tenants}
+    for d in dispatches:
+        job = job_of[d.job_id]
+        jobs_of[job.tenant_id] += 1
+        gpus_of[job.tenant_id] += job.gpus
+    for t in tenants:
+        assert jobs_of[t] <= quotas[t].max_concurrent_jobs and gpus_of[t] <= quotas[t].max_gpus
+    # fair share: each tenant with nothing running starts a job before any starts a second
+    idle = set(tenants) - {r.tenant_id for r in running}
+    assert {job_of[d.job_id].tenant_id for d in dispatches[: len(idle)]} == idle
+    assert {job_of[d.job_id].tenant_id for d in dispatches} == set(tenants)  # all started
+
+    # every wait is true of the final state (room and quota only shrink during a plan)
+    def fits_now(job: QueuedJob) -> bool:
+        per_node = (
+            min(cpus // job.cpus_per_worker, (gpus // job.gpus_per_worker) if job.gpus else 1e9)
+            for cpus, gpus in free.values()
+        )
+        return sum(per_node) >= job.workers
+
+    short_of_room = {w.job_id for w in waits if "to be free at once" in w.reason}
+    reasons: set[str] = set()
+    for w in waits:
+        job = job_of[w.job_id]
+        if "concurrent job(s)" in w.reason:
+            assert jobs_of[job.tenant_id] == quotas[job.tenant_id].max_concurrent_jobs
+            reasons.add("job quota")
+        elif "GPUs" in w.reason and "quota" in w.reason:
+            assert gpus_of[job.tenant_id] + job.gpus > quotas[job.tenant_id].max_gpus
+            reasons.add("GPU quota")
+        elif "to be free at once" in w.reason:
+            assert not fits_now(job), w
+            reasons.add("capacity")
+        elif "reserved for" in w.reason:
+            holder = job_of[w.reason.split("reserved for ")[1].split(",")[0]]
+            assert holder.id in short_of_room and holder.priority == job.priority
+            assert now - holder.created_ns / S >= starving
+            reasons.add("reservation")
+        elif "higher priority" in w.reason:
+            assert any(job_of[j].priority > job.priority for j in short_of_room)
+            reasons.add("higher class")
+        else:
+            assert w.job_id in backoff, w
+    assert len(reasons) == 5 and len(dispatches) > 20  # the scenario exercises every rule
+    # a job that waits for room stops every lower priority class
+    lowest = max(job_of[j].priority for j in short_of_room)
+    assert all(job_of[d.job_id].priority >= lowest for d in dispatches)
