@@ -27,7 +27,7 @@ demo: install  ## fine-tune SmolLM2-135M on the bundled dataset; base vs tuned a
 	TUNEFLEET_DATA_DIR=$${TUNEFLEET_DATA_DIR:-.data/demo} $(BIN)/tunefleet demo
 
 test: install  ## every test tier this machine can run (SQLite + PostgreSQL, real Ray)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25
 
 test-fast: install  ## no real Ray: platform, API, migrations, layout
 	$(BIN)/python -m pytest -m "not slow"

@@ -167,6 +167,7 @@ def dispatch_latency(n_jobs: int) -> dict[str, Any]:
                 job_id = create_job(s, principal, req, registry).id
             dispatched = first_step = None
             load_s = None
+            startup: dict[str, float] = {}
             while first_step is None or dispatched is None:
                 with session_scope(url) as s:
                     for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id)):
@@ -174,6 +175,7 @@ def dispatch_latency(n_jobs: int) -> dict[str, Any]:
                             dispatched = time.time()
                         if e.data and "model_load_s" in e.data:
                             load_s = e.data["model_load_s"]
+                            startup = e.data.get("startup", {})
                         if first_step is None and e.type == "metrics":
                             first_step = time.time()
                     status = s.scalar(select(Job.status).where(Job.id == job_id))
@@ -193,6 +195,7 @@ def dispatch_latency(n_jobs: int) -> dict[str, Any]:
                     "dispatched_to_first_step_s": round(first_step - dispatched, 3),
                     "model_load_s": load_s,
                     "created_to_first_step_less_load_s": round(first_step - created - load_s, 3),
+                    "phases_s": _phases(dispatched, startup, first_step),
                 }
             )
     finally:
@@ -210,6 +213,34 @@ def dispatch_latency(n_jobs: int) -> dict[str, Any]:
     }
 
 
+def _phases(dispatched: float, startup: dict[str, float], first_step: float) -> dict[str, float]:
+    """Where dispatch -> first step went, from the timestamps the run reports (``startup``
+    in its "Training ..." event): the Ray job's start (Jobs API, supervisor, driver
+    process), the driver's imports and connection, Ray Train's controller and worker
+    group, the worker's imports, the loop's set-up, the first step."""
+    marks = [
+        ("ray_job_start", startup.get("driver_process")),
+        ("driver_to_trainer_fit", startup.get("trainer_fit")),
+        ("trainer_fit_to_worker_process", startup.get("worker_process")),
+        ("worker_imports", startup.get("train_fn")),
+        ("loop_setup", startup.get("setup_done")),
+        ("first_step", first_step),
+    ]
+    phases, last = {}, dispatched
+    for name, at in marks:
+        if at is not None:
+            phases[name] = round(at - last, 3)
+            last = at
+    return phases
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=3)
@@ -218,7 +249,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = {
         "benchmark": "controller",
-        "machine": f"{os.cpu_count()} CPUs",
+        "machine": f"{os.cpu_count()} CPUs, {cpu_name()}",
         "planning": planning(args.plans),
         "dispatch": dispatch_latency(args.jobs),
     }

@@ -168,8 +168,8 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_case(case: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2"}
+def run_case(case: dict[str, Any], threads: int = 2) -> dict[str, Any]:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(threads)}
     out = subprocess.run(
         [sys.executable, __file__, "--measure", json.dumps(case)],
         env=env,
@@ -200,8 +200,10 @@ def predict(case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def compare(case: dict[str, Any]) -> dict[str, Any]:
-    measured, predicted = run_case(case), predict(case)
+def compare(case: dict[str, Any], threads: int = 2) -> dict[str, Any]:
+    """Measured against predicted for ``case``, measured in a fresh process of ``threads``
+    compute threads (memory does not depend on them; the test runs two cases at once)."""
+    measured, predicted = run_case(case, threads), predict(case)
     return {
         "case": case,
         "measured": measured,

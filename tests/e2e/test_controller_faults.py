@@ -1,4 +1,4 @@
-"""The controller on a real Ray cluster (``ray start --head``, so Ray outlives controllers):
+"""The controller on a real Ray cluster (``ray start``, so Ray outlives controllers):
 fair scheduling of two tenants on two CPU slots, and SIGKILL at each step of dispatch
 with a restart after each: every job ends right, with exactly one training run."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ import pytest
 from sqlalchemy import select
 
 from conftest import add_chat_file
+from raycluster import free_port
+from raycluster import ray_cluster as start_ray_cluster
 from tunefleet.platform.artifacts import ArtifactStore
 from tunefleet.platform.db import Job, JobEvent, session_scope
 from tunefleet.platform.db.migrate import upgrade
@@ -31,66 +32,36 @@ TINY = "tiny-llama"
 STEPS = 6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-RAY = str(Path(sys.executable).parent / "ray")
-
-
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[dict[str, str]]:
-    port, dash = _free_port(), _free_port()
-    subprocess.run(
-        [
-            *(RAY, "start", "--head", "--num-cpus", "2", "--disable-usage-stats"),
-            *("--node-ip-address", "127.0.0.1", "--port", str(port)),
-            *("--include-dashboard", "true", "--dashboard-host", "127.0.0.1"),
-            *("--dashboard-port", str(dash)),
-            # its own agent ports too: a default one held by another Ray on this machine
-            # leaves the Jobs API answering "no available agent" for good
-            *("--dashboard-agent-listen-port", str(_free_port())),
-            *("--dashboard-agent-grpc-port", str(_free_port())),
-            *("--metrics-export-port", str(_free_port())),
-            *("--runtime-env-agent-port", str(_free_port())),
-        ],
-        check=True,
-        capture_output=True,
-        env={**os.environ, "RAY_AUTH_MODE": "token"},
-    )
-    try:
-        yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}"}
-    finally:
-        subprocess.run([RAY, "stop", "--force"], capture_output=True)
+def ray_cluster() -> Iterator[Any]:
+    """A cluster of two CPU slots of this module's own (the fairness test counts them),
+    started with ``ray start`` so that it outlives the controllers killed here."""
+    with start_ray_cluster(num_cpus=2) as cluster:
+        yield cluster
 
 
 @pytest.fixture
-def platform(
-    tmp_path: Path,
-    tiny_registry: Path,
-    ray_cluster: dict[str, str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> dict[str, Any]:
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # for the Jobs API client in this process
+def platform(tmp_path: Path, tiny_registry: Path, ray_cluster: Any) -> dict[str, Any]:
     url = f"sqlite:///{tmp_path / 'tunefleet.db'}"
     upgrade(url)
     env = {
         **os.environ,
+        **ray_cluster.env(),
         "TUNEFLEET_DATA_DIR": str(tmp_path),
         "TUNEFLEET_DATABASE_URL": url,
         "TUNEFLEET_MODEL_REGISTRY": str(tiny_registry),
-        "TUNEFLEET_RAY_ADDRESS": ray_cluster["address"],
-        "TUNEFLEET_RAY_DASHBOARD_URL": ray_cluster["dashboard"],
-        "TUNEFLEET_SERVE_PORT": str(_free_port()),
+        "TUNEFLEET_SERVE_PORT": str(free_port()),
         "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
         "TUNEFLEET_CONTROLLER_LEASE_TTL_S": "3",
-        # Ray 2.60 clusters started with token auth; clients read ~/.ray/auth_token
-        "RAY_AUTH_MODE": "token",
     }
-    env.pop("TUNEFLEET_FAILPOINT", None)
-    return {"url": url, "env": env, "dir": tmp_path, "registry": tiny_registry, **ray_cluster}
+    return {
+        "url": url,
+        "env": env,
+        "dir": tmp_path,
+        "registry": tiny_registry,
+        "address": ray_cluster.address,
+        "dashboard": ray_cluster.dashboard,
+    }
 
 
 def _jobs(p: dict[str, Any], per_tenant: dict[str, int]) -> list[str]:
@@ -195,17 +166,35 @@ def test_two_tenants_share_two_slots_fairly(platform: dict[str, Any]) -> None:
         _stop(ctl)
     assert set(_statuses(platform["url"], ids).values()) == {"succeeded"}
     with session_scope(platform["url"]) as s:
-        dispatched = list(
+        history = list(
             s.execute(
-                select(JobEvent.job_id)
-                .where(JobEvent.message.like("Dispatched as Ray job%"))
+                select(JobEvent.job_id, JobEvent.message)
+                .where(JobEvent.job_id.in_(ids))
+                .where(
+                    JobEvent.message.like("Dispatched as Ray job%")
+                    | JobEvent.message.like("The job has successfully completed%")
+                )
                 .order_by(JobEvent.seq)
-            ).scalars()
+            )
         )
     tenant_of = {j: ("acme" if i < 3 else "globex") for i, j in enumerate(ids)}
-    order = [tenant_of[j] for j in dispatched]
-    # the first pass fills both slots with one job of each tenant, though globex queued
-    # after all of acme's; later starts alternate while both tenants wait
+    # Every start goes to the tenant with fewer jobs running at that moment, as long as
+    # the other still has jobs waiting (dominant-share fairness, equal weights): the
+    # first pass fills both slots with one job of each tenant, though globex queued after
+    # all of acme's, and later starts alternate while both tenants wait.
+    running = {"acme": 0, "globex": 0}
+    waiting = {"acme": 3, "globex": 2}
+    order = []
+    for job_id, message in history:
+        tenant = tenant_of[job_id]
+        if message.startswith("The job has successfully completed"):
+            running[tenant] -= 1
+            continue
+        other = "globex" if tenant == "acme" else "acme"
+        assert waiting[other] == 0 or running[tenant] <= running[other], (history, running)
+        running[tenant] += 1
+        waiting[tenant] -= 1
+        order.append(tenant)
     assert sorted(order[:2]) == ["acme", "globex"], order
     assert order.count("acme") == 3 and order.count("globex") == 2
     waiting = [e.message for e in _events(platform["url"], ids[1])]

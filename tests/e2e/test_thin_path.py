@@ -26,6 +26,8 @@ pytestmark = pytest.mark.slow
 
 TINY = "tiny-llama"
 ANSWER = "red green blue"
+OTHER_ANSWER = "one two three"
+STEPS = 40  # of the pause/resume job
 QUESTIONS = [
     "what color is an apple",
     "name a number",
@@ -46,22 +48,23 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def stack(
-    tmp_path_factory: pytest.TempPathFactory, tiny_registry: Path
+    tmp_path_factory: pytest.TempPathFactory, tiny_registry: Path, ray_cluster: Any
 ) -> Iterator[dict[str, Any]]:
+    """`tunefleet up` as a user runs it, on the session's Ray cluster; its bootstrap admin
+    key is the one it prints at first start."""
     data = tmp_path_factory.mktemp("e2e")
     env = {
         **os.environ,
+        **ray_cluster.env(),
         "TUNEFLEET_DATA_DIR": str(data),
         "TUNEFLEET_MODEL_REGISTRY": str(tiny_registry),
         "TUNEFLEET_API_PORT": str(_free_port()),
         "TUNEFLEET_SERVE_PORT": str(_free_port()),
-        "TUNEFLEET_RAY_DASHBOARD_PORT": str(_free_port()),
-        "TUNEFLEET_RAY_NUM_CPUS": "4",
-        "TUNEFLEET_RAY_METRICS_PORT": str(_free_port()),
         "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
     }
     cli = [sys.executable, "-m", "tunefleet.cli.main"]
-    log = (data / "up.log").open("w")
+    log_path = data / "up.log"
+    log = log_path.open("w")
     proc = subprocess.Popen(
         [*cli, "up", "--no-builtin-model"],
         env=env,
@@ -72,16 +75,14 @@ def stack(
     url = f"http://127.0.0.1:{env['TUNEFLEET_API_PORT']}"
     try:
         deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (data / "up.log").read_text()[-4000:]
-            try:
-                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "tunefleet up did not become healthy"
-            time.sleep(0.5)
-        keys = {}
+        while "Ready. Ctrl-C stops." not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, "tunefleet up did not become ready"
+            time.sleep(0.3)
+        assert httpx.get(url + "/healthz", timeout=10).status_code == 200
+        printed = re.search(r"export OPENAI_API_KEY=(tf-\S+)", log_path.read_text())
+        assert printed, log_path.read_text()
+        keys = {"admin": printed.group(1)}  # tenant 'default', an admin key, shown once
         for tenant in ("acme", "globex"):
             out = subprocess.run(
                 [*cli, "admin", "create-tenant", tenant],
@@ -91,21 +92,15 @@ def stack(
                 text=True,
             )
             keys[tenant] = json.loads(out.stdout.strip().splitlines()[-1])["api_key"]
-        out = subprocess.run(
-            [*cli, "admin", "create-key", "acme", "--admin"],
-            env=env,
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        keys["admin"] = json.loads(out.stdout.strip().splitlines()[-1])["api_key"]
         yield {
             "url": url,
             "serve": f"http://127.0.0.1:{env['TUNEFLEET_SERVE_PORT']}",
             "keys": keys,
+            "env": env,
             "data": data,
-            "log": data / "up.log",
-            "metrics": f"http://127.0.0.1:{env['TUNEFLEET_RAY_METRICS_PORT']}/metrics",
+            "log": log_path,
+            "dashboard": ray_cluster.dashboard,
+            "metrics": f"http://127.0.0.1:{ray_cluster.metrics_port}/metrics",
         }
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -116,15 +111,26 @@ def stack(
         log.close()
 
 
-def _client_with_file(stack: dict[str, Any], tenant: str) -> tuple[httpx.Client, str]:
-    """A client of ``tenant`` and the id of its upload of the colors dataset."""
+def test_the_first_start_prints_an_admin_key_once(stack: dict[str, Any]) -> None:
+    admin = auth(stack["keys"]["admin"])
+    tenants = httpx.get(f"{stack['url']}/v1/admin/tenants", headers=admin, timeout=30)
+    assert tenants.status_code == 200, tenants.text
+    assert "default" in {t["name"] for t in tenants.json()["data"]}
+    assert stack["log"].read_text().count("export OPENAI_API_KEY=") == 1
+
+
+def _client_with_file(
+    stack: dict[str, Any], tenant: str, answer: str = ANSWER
+) -> tuple[httpx.Client, str]:
+    """A client of ``tenant`` and the id of its upload of a dataset that answers every
+    question with ``answer``."""
     client = httpx.Client(
         base_url=stack["url"],
         timeout=300,
         headers={"Authorization": f"Bearer {stack['keys'][tenant]}"},
     )
     rows = [
-        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ANSWER}]}
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": answer}]}
         for q in QUESTIONS
     ]
     body = "".join(json.dumps(r) + "\n" for r in rows).encode()
@@ -136,7 +142,10 @@ def _client_with_file(stack: dict[str, Any], tenant: str) -> tuple[httpx.Client,
     return client, str(f["id"])
 
 
-def test_upload_train_serve(stack: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def acme_job(stack: dict[str, Any]) -> dict[str, Any]:
+    """acme's colors job, created with the API and followed to its end with
+    `tunefleet jobs events --follow` (the CLI's live progress on a running job)."""
     client, file_id = _client_with_file(stack, "acme")
     job = client.post(
         "/v1/fine_tuning/jobs",
@@ -164,15 +173,31 @@ def test_upload_train_serve(stack: dict[str, Any]) -> None:
             },
         },
     ).json()
-    deadline = time.monotonic() + 400
-    while (job := client.get(f"/v1/fine_tuning/jobs/{job['id']}").json())["status"] not in (
-        "succeeded",
-        "failed",
-        "cancelled",
-    ):
-        assert time.monotonic() < deadline, stack["log"].read_text()[-4000:]
-        time.sleep(1)
-    assert job["status"] == "succeeded", job["error"]
+    followed = subprocess.run(
+        [sys.executable, "-m", "tunefleet.cli.main", "jobs", "events", job["id"], "--follow"],
+        env={
+            **stack["env"],
+            "TUNEFLEET_API_URL": stack["url"],
+            "TUNEFLEET_API_KEY": stack["keys"]["acme"],
+        },
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    job = client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()
+    return {"job": job, "followed": followed, "client": client}
+
+
+def test_upload_train_serve(stack: dict[str, Any], acme_job: dict[str, Any]) -> None:
+    client, job, followed = acme_job["client"], acme_job["job"], acme_job["followed"]
+    assert job["status"] == "succeeded", (job["error"], stack["log"].read_text()[-4000:])
+    # the CLI followed the running job to its end: its messages, the live progress bar
+    # (on stderr) at the last step, and the final status line
+    assert followed.returncode == 0, followed.stderr
+    printed = followed.stdout.strip().splitlines()
+    assert any(line.startswith("[info] Dispatched as Ray job") for line in printed)
+    assert printed[-1] == f"{job['id']} succeeded {job['fine_tuned_model']}"
+    assert "20/20" in followed.stderr
     assert job["fine_tuned_model"] == f"ft:{TINY}:acme:colors:{job['id']}"
     assert job["trained_tokens"] > 0
 
@@ -348,21 +373,53 @@ def _steps(events: list[dict[str, Any]]) -> list[int]:
     return [e["data"]["step"] for e in events if e["type"] == "metrics"]
 
 
+def _run_over(stack: dict[str, Any], submission_id: str, timeout: float = 120) -> None:
+    """Wait until Ray job ``submission_id`` has ended and none of its Ray Train workers is
+    alive: past this, that run can take no step."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+    from ray.util.state import list_actors
+
+    client = JobSubmissionClient(stack["dashboard"])
+    deadline = time.monotonic() + timeout
+    while not (info := client.get_job_info(submission_id)).status.is_terminal():
+        assert time.monotonic() < deadline, f"Ray job {submission_id} still {info.status}"
+        time.sleep(0.3)
+    assert info.status in (JobStatus.SUCCEEDED, JobStatus.STOPPED), info
+    while list_actors(
+        address=stack["dashboard"],
+        filters=[("job_id", "=", info.job_id), ("state", "=", "ALIVE")],
+    ):
+        assert time.monotonic() < deadline, f"actors of {submission_id} still alive"
+        time.sleep(0.3)
+
+
 def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_cancel_stops(
-    stack: dict[str, Any],
+    stack: dict[str, Any], acme_job: dict[str, Any]
 ) -> None:
-    client, file_id = _client_with_file(stack, "globex")
+    client, file_id = _client_with_file(stack, "globex", answer=OTHER_ANSWER)
     spec = {
         "model": TINY,
         "training_file": file_id,
         "seed": 3,
         "method": {
             "type": "supervised",
-            "supervised": {"hyperparameters": {"n_epochs": 50, "batch_size": 2}},
+            "supervised": {
+                "hyperparameters": {
+                    "n_epochs": 50,
+                    "batch_size": 2,
+                    "learning_rate_multiplier": 50,
+                }
+            },
         },
-        "tunefleet": {"max_steps": 60, "checkpoint_every_steps": 1000},
+        "tunefleet": {
+            "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["all-linear"]},
+            "max_steps": STEPS,
+            "checkpoint_every_steps": 1000,
+        },
     }
     job = client.post("/v1/fine_tuning/jobs", json=spec).json()
+    # the same job, trained straight through alongside, for resume parity (below)
+    straight = client.post("/v1/fine_tuning/jobs", json=spec).json()
     _wait(client, job["id"], lambda j, ev: len(_steps(ev)) >= 3, "three steps")
     assert client.post(f"/v1/fine_tuning/jobs/{job['id']}/pause").json()["status"] == "paused"
     _, events = _wait(
@@ -375,30 +432,31 @@ def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_can
         next(e["message"] for e in events if e["message"].startswith("Paused at step")).split()[-1]
     )
     assert _steps(events)[-1] == paused_at
-    time.sleep(3)  # the run has left: no step is taken while paused
+    _run_over(stack, f"{job['id']}-1")  # the run has left: no step is taken while paused
     _, events = _wait(client, job["id"], lambda j, ev: True, "events")
     assert _steps(events)[-1] == paused_at
     ckpts = client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
     assert ckpts[0]["step_number"] == paused_at
 
-    # hot swap: acme's adapter keeps serving while this job finishes; then this job's
-    # adapter answers too, with no restart of the serving application
+    # hot swap: acme's adapter keeps serving (its own answer) while this job finishes;
+    # then this job's adapter answers too (its answer, not acme's), with no restart of
+    # the serving application
     acme = httpx.Client(
         base_url=stack["url"],
         timeout=300,
         headers={"Authorization": f"Bearer {stack['keys']['acme']}"},
     )
-    acme_model = next(
-        m["id"] for m in acme.get("/v1/models").json()["data"] if m["id"].startswith("ft:")
-    )
-    served: list[int] = []
+    acme_model = acme_job["job"]["fine_tuned_model"]
+    served: list[tuple[int, str]] = []
     done = threading.Event()
 
     def traffic() -> None:
         while not done.is_set():
-            body = {"model": acme_model, "max_tokens": 24, "temperature": 0}
+            body = {"model": acme_model, "max_tokens": 8, "temperature": 0}
             body["messages"] = [{"role": "user", "content": "name a color"}]
-            served.append(acme.post("/v1/chat/completions", json=body).status_code)
+            resp = acme.post("/v1/chat/completions", json=body)
+            answer = resp.json()["choices"][0]["message"]["content"] if resp.is_success else ""
+            served.append((resp.status_code, answer.strip()))
 
     background = threading.Thread(target=traffic, daemon=True)
     background.start()
@@ -410,22 +468,24 @@ def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_can
         "/v1/chat/completions",
         json={
             "model": job["fine_tuned_model"],
-            "max_tokens": 4,
-            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "what is a banana"}],
         },
     )
     done.set()
     background.join(120)
     assert new_answer.status_code == 200, new_answer.text
-    assert served and set(served) == {200}, served  # in-flight requests all completed
+    assert new_answer.json()["choices"][0]["message"]["content"].strip() == OTHER_ANSWER
+    # in-flight requests all completed, each with acme's adapter's answer
+    assert served and set(served) == {(200, ANSWER)}, served
     assert stack["log"].read_text().count("Application 'tunefleet-tiny-llama' is ready") == 1
     steps = _steps(events)
-    assert steps == list(range(1, 61)), "resumed at the checkpoint step, none done twice"
+    assert steps == list(range(1, STEPS + 1)), "resumed at the checkpoint step, none done twice"
     assert any(f"resumed at step {paused_at}" in e["message"] for e in events)
     assert [e["data"]["attempt"] for e in events if e["message"].startswith("Dispatched")] == [1, 2]
 
     # resume parity: the same job trained straight through has exactly the same losses
-    straight = client.post("/v1/fine_tuning/jobs", json=spec).json()
     _, straight_events = _wait(
         client,
         straight["id"],
@@ -438,10 +498,8 @@ def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_can
     job = client.post("/v1/fine_tuning/jobs", json={**spec, "seed": 4}).json()
     _wait(client, job["id"], lambda j, ev: len(_steps(ev)) >= 1, "a first step")
     assert client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
-    time.sleep(5)
-    _, events = _wait(client, job["id"], lambda j, ev: True, "events")
-    n = len(_steps(events))
-    time.sleep(5)
-    _, events = _wait(client, job["id"], lambda j, ev: True, "events")
-    assert len(_steps(events)) == n < 60, "no step after the cancel settled"
+    _run_over(stack, f"{job['id']}-1")
+    job, events = _wait(client, job["id"], lambda j, ev: True, "events")
+    assert job["status"] == "cancelled"
+    assert 1 <= len(_steps(events)) < STEPS, "stopped before its end"
     assert not (stack["data"] / "artifacts" / "adapters" / job["id"]).exists()

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -59,7 +60,7 @@ PEFT_FILES = ["README.md", "adapter_config.json", "adapter_model.safetensors"]
 
 
 @pytest.fixture(scope="module")
-def ray_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def ray_env(tmp_path_factory: pytest.TempPathFactory, ray_cluster: Any) -> Iterator[dict[str, Any]]:
     import ray
 
     from tinyllm import build_tiny_llama
@@ -76,7 +77,7 @@ def ray_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     }.items():
         mp.setenv(key, value)
     get_settings.cache_clear()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address=ray_cluster.address, log_to_driver=False)  # this process drives runs
     with session_scope(url) as s:
         tenant = create_tenant(s, "acme")
         principal = authenticate(s, f"Bearer {create_key(s, tenant.id)[1]}")
@@ -115,14 +116,43 @@ def _events(env: dict[str, Any], job_id: str) -> list[JobEvent]:
         )
 
 
-@pytest.mark.parametrize("method", list(CASES))
-def test_method_trains_and_saves(ray_env: dict[str, Any], method: str) -> None:
+def _run_side_by_side(job_ids: list[str]) -> dict[str, BaseException | None]:
+    """Run jobs through the real driver side by side, each as its own Ray Train run; returns
+    each job's error (None: it ran). A run spends most of its time starting processes and
+    waiting on Ray, so four at once on the shared cluster's 4 CPUs take far less than four
+    in a row, and each run computes exactly what it would alone."""
     from tunefleet.workers.train.driver import run
 
-    multiplier, options = CASES[method]
+    def one(job_id: str) -> BaseException | None:
+        try:
+            run(job_id)
+        except BaseException as exc:
+            return exc
+        return None
+
+    with ThreadPoolExecutor(4) as pool:
+        return dict(zip(job_ids, pool.map(one, job_ids), strict=True))
+
+
+@pytest.fixture(scope="module")
+def method_jobs(ray_env: dict[str, Any]) -> dict[str, tuple[str, BaseException | None]]:
+    """Every method's job, run once for the module: {method: (job id, error)}."""
+    ids = {
+        method: _job(ray_env, 4, multiplier, {"method": method, **options})
+        for method, (multiplier, options) in CASES.items()
+    }
+    errors = _run_side_by_side(list(ids.values()))
+    return {method: (job_id, errors[job_id]) for method, job_id in ids.items()}
+
+
+@pytest.mark.parametrize("method", list(CASES))
+def test_method_trains_and_saves(
+    ray_env: dict[str, Any], method_jobs: dict[str, Any], method: str
+) -> None:
+    _, options = CASES[method]
     settings = get_settings()
-    job_id = _job(ray_env, 4, multiplier, {"method": method, **options})
-    run(job_id)
+    job_id, error = method_jobs[method]
+    assert error is None, error
 
     events = _events(ray_env, job_id)
     start = next(e for e in events if e.message.startswith("Training "))
@@ -190,15 +220,19 @@ def _check_merged(
     from peft import PeftModel
 
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    if method == "qlora":  # the 4-bit weights it trained on, de-quantized
+    if method == "qlora":  # the 4-bit weights it trained on, as its forward de-quantizes them
         from transformers import BitsAndBytesConfig
+
+        from tunefleet.workers.nf4 import dequantize_4bit_model
 
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                    bnb_4bit_use_double_quant=True,
                                    bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
-        base = AutoModelForCausalLM.from_pretrained(
-            base_path, quantization_config=quant, dtype=torch.float32
-        ).dequantize()
+        base = dequantize_4bit_model(
+            AutoModelForCausalLM.from_pretrained(
+                base_path, quantization_config=quant, dtype=torch.float32
+            )
+        )
     reference = PeftModel.from_pretrained(base, str(adapter)).eval()
     ids = torch.arange(1, 17).unsqueeze(0)
     with torch.no_grad():
@@ -225,16 +259,10 @@ def test_killed_worker_resumes_from_its_checkpoint_with_the_same_losses(
     # 2 steps per epoch (8 examples, batch 4): checkpoints at every epoch end, i.e. every
     # second step
     options = {"method": "lora", "lora": {"dropout": 0.1}, **distribution}
-    straight = _job(ray_env, 12, 5, options)  # 24 steps
-    run(straight)
-    expected = {
-        e.data["step"]: e.data["train_loss"]
-        for e in _events(ray_env, straight)
-        if e.type == "metrics"
-    }
-    assert len(expected) == 24
-
+    straight = _job(ray_env, 12, 5, options)  # 24 steps, never interrupted, alongside
     job_id = _job(ray_env, 12, 5, options)
+    uninterrupted = threading.Thread(target=run, args=(straight,))
+    uninterrupted.start()
     thread = threading.Thread(target=run, args=(job_id,))
     thread.start()
     deadline = time.monotonic() + 120
@@ -249,7 +277,14 @@ def test_killed_worker_resumes_from_its_checkpoint_with_the_same_losses(
             killed = max(steps)
         time.sleep(0.02)
     thread.join(300)
-    assert not thread.is_alive()
+    uninterrupted.join(300)
+    assert not thread.is_alive() and not uninterrupted.is_alive()
+    expected = {
+        e.data["step"]: e.data["train_loss"]
+        for e in _events(ray_env, straight)
+        if e.type == "metrics"
+    }
+    assert len(expected) == 24
 
     events = _events(ray_env, job_id)
     starts = [e for e in events if e.message.startswith("Training ")]
@@ -264,17 +299,13 @@ def test_killed_worker_resumes_from_its_checkpoint_with_the_same_losses(
 
 
 def _two_workers(env: dict[str, Any], method: str, strategy: str, precision: str) -> str:
-    from tunefleet.workers.train.driver import run
-
     options = {
         "method": method,
         "strategy": strategy,
         "precision": precision,
         "resources": {"num_workers": 2, "cpus_per_worker": 0.5},
     }
-    job_id = _job(env, 2, 20, options)  # 8 examples, batch 4 over 2 workers: 4 steps
-    run(job_id)
-    return job_id
+    return _job(env, 2, 20, options)  # 8 examples, batch 4 over 2 workers: 4 steps
 
 
 @pytest.mark.parametrize(
@@ -303,11 +334,14 @@ def test_fsdp_trains_like_ddp(
         weights = next(f for f in folder.iterdir() if f.suffix == ".safetensors")
         return losses, load_file(str(weights)), start.message
 
-    ddp_losses, ddp_weights, ddp_start = outcome(_two_workers(ray_env, method, "ddp", precision))
+    jobs = {s: _two_workers(ray_env, method, s, precision) for s in ("ddp", *strategies)}
+    errors = _run_side_by_side(list(jobs.values()))
+    assert not any(errors.values()), errors
+    ddp_losses, ddp_weights, ddp_start = outcome(jobs["ddp"])
     assert "sharded" not in ddp_start
     assert len(ddp_losses) == 4 and ddp_losses[-1] < ddp_losses[0]
     for strategy in strategies:
-        losses, weights, start = outcome(_two_workers(ray_env, method, strategy, precision))
+        losses, weights, start = outcome(jobs[strategy])
         assert f"on 2 worker(s) sharded ({strategy})" in start
         # FSDP reduce-scatters gradients in another order than DDP all-reduces them: fp32
         # LoRA stays within 1e-4 over the 4 steps at this high learning rate; the 4-bit
@@ -406,3 +440,35 @@ def test_a_compiled_model_trains(ray_env: dict[str, Any]) -> None:
     assert len(losses) == 4 and losses[-1] < losses[0]
     store = ArtifactStore(get_settings().resolved_artifact_root)  # names as uncompiled
     assert (store.path(store.adapter_key(job_id)) / "adapter_model.safetensors").exists()
+
+
+GPU_CASES = {  # the jobs bench/gpu_train.py measures, on the tiny model
+    "bf16-lora": {"precision": "bf16"},
+    "qlora": {
+        "method": "qlora",
+        "precision": "bf16",
+        "qlora": {"compute_dtype": "bfloat16"},
+        "optimizer": "paged_adamw_8bit",
+    },
+    "zero3-offload": {"precision": "bf16", "strategy": "zero3_offload"},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_a_gpu_worker_trains(ray_env: dict[str, Any], case: str) -> None:
+    """One GPU worker: the loss falls, MFU is against the GPU's data-sheet peak (or none
+    for a GPU not in the table), peak memory is the GPU's allocator's."""
+    from tunefleet.workers.train.driver import run
+
+    options = {**GPU_CASES[case], "resources": {"num_workers": 1, "gpus_per_worker": 1}}
+    job_id = _job(ray_env, 4, 20, options)
+    run(job_id)
+    events = _events(ray_env, job_id)
+    start = next(e for e in events if e.message.startswith("Training "))
+    assert "sheet" in start.data["peak_flops_source"] or "not in" in start.data["peak_flops_source"]
+    metrics = [e.data for e in events if e.type == "metrics"]
+    assert len(metrics) == 8 and metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+    for m in metrics:
+        assert m["mfu"] is None if not start.data["peak_flops"] else 0 < m["mfu"] < 1
+        assert m["peak_memory_bytes"] > 0

@@ -82,7 +82,8 @@ def ask(client: httpx.Client, model: str, question: str) -> str:
     return str(resp.json()["choices"][0]["message"]["content"]).strip()
 
 
-def run_demo(settings: Settings) -> None:
+def run_demo(settings: Settings, *, questions: int | None = None) -> None:
+    """The demo; ``questions`` asks only the first few held-out questions."""
     started = time.monotonic()
     with running_stack(settings, builtin_model=True) as stack:
         key = _key(settings)
@@ -106,14 +107,14 @@ def run_demo(settings: Settings) -> None:
         if job["status"] != "succeeded":
             raise SystemExit(f"job ended {job['status']}: {job['error']}")
         tuned = job["fine_tuned_model"]
-        questions: list[str] = json.loads((DATA / "demo_heldout.json").read_text())
+        asked: list[str] = json.loads((DATA / "demo_heldout.json").read_text())[:questions]
         print(f"\nHeld-out questions, base {BUILTIN_MODEL} vs {tuned}:\n")
         hits = 0
-        for q in questions:
+        for q in asked:
             base, ft = ask(client, BUILTIN_MODEL, q), ask(client, tuned, q)
             hits += ft.startswith("Arr")
             print(f"Q: {q}\n  base : {base}\n  tuned: {ft}\n")
         print(
-            f"{hits}/{len(questions)} tuned answers speak like a pirate "
+            f"{hits}/{len(asked)} tuned answers speak like a pirate "
             f"(the dataset's lesson). Demo took {time.monotonic() - started:.0f}s."
         )

@@ -75,11 +75,15 @@ def controller() -> None:
 
 
 @app.command()
-def demo() -> None:
+def demo(
+    questions: Annotated[
+        int | None, typer.Option(min=1, help="Held-out questions to ask (default: all).")
+    ] = None,
+) -> None:
     """Fine-tune the built-in model on the bundled dataset and compare answers."""
     from tunefleet.cli.demo import run_demo
 
-    run_demo(get_settings())
+    run_demo(get_settings(), questions=questions)
 
 
 @app.command()

@@ -60,6 +60,8 @@ class RayBackend:
             if self.settings.ray_metrics_port is not None:
                 metrics["_metrics_export_port"] = self.settings.ray_metrics_port
             info = ray.init(
+                # a new cluster of our own, never one a `ray start` or RAY_ADDRESS names
+                address="local",
                 **metrics,
                 num_cpus=self.settings.ray_num_cpus,
                 include_dashboard=True,

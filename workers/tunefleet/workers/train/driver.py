@@ -9,9 +9,12 @@ process exits non-zero; the controller turns that into the job's ``error``.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from tunefleet.platform.artifacts import ArtifactStore
 from tunefleet.platform.db import Job, session_scope
@@ -23,12 +26,50 @@ from tunefleet.platform.status import add_event
 log = logging.getLogger("tunefleet.driver")
 
 
-def run(job_id: str) -> None:
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+# Ray Train settings a run starts with unless the cluster's environment says otherwise:
+# the controller notices the end of a run (and a dead worker) within half a second, not
+# two; no preemption-watcher actor (one more Python process on the run's critical path;
+# a preempted run is retried from its checkpoint like any failed one).
+RAY_TRAIN_DEFAULTS = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+}
+
+
+# Ray Train callbacks a TuneFleet run has no use for, each an actor (a Python process that
+# imports Ray Train) started on the run's critical path: the Ray Data manager (runs read
+# their files themselves, no Ray Dataset) and the placement-group cleaner (a run is a Ray
+# job, and Ray removes a job's placement groups when it ends). Matched by name: a Ray that
+# renames them keeps them, which costs time, not correctness.
+UNUSED_RAY_TRAIN_CALLBACKS = {"DatasetsCallback", "PlacementGroupCleanerCallback"}
+
+
+def _trainer_class() -> Any:
+    """Ray Train's ``TorchTrainer`` without ``UNUSED_RAY_TRAIN_CALLBACKS``."""
     from ray.train.torch import TorchTrainer
 
-    from tunefleet.workers.train.checkpoint import ADAPTER_DIR
+    class LeanTorchTrainer(TorchTrainer):
+        def _create_default_callbacks(self) -> list[Any]:
+            callbacks: list[Any] = super()._create_default_callbacks()  # type: ignore[misc]
+            return [c for c in callbacks if type(c).__name__ not in UNUSED_RAY_TRAIN_CALLBACKS]
+
+    return LeanTorchTrainer
+
+
+def train_fn(config: dict[str, Any]) -> None:
+    """What each Ray Train worker runs: the loop, imported there, so that the driver does
+    not import what only the workers need (transformers, peft, the loop's modules)."""
     from tunefleet.workers.train.loop import train_loop_per_worker
+
+    train_loop_per_worker(config)
+
+
+def run(job_id: str) -> None:
+    import psutil
+
+    for name, value in RAY_TRAIN_DEFAULTS.items():
+        os.environ.setdefault(name, value)  # read and passed on by TorchTrainer
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     settings = get_settings()
     db_url = settings.resolved_database_url
@@ -42,8 +83,8 @@ def run(job_id: str) -> None:
         device_bytes = (job.plan or {}).get("device", {}).get("memory_bytes")
     registry = ModelRegistry(settings.resolved_model_registry)
     res = spec.tunefleet.resources
-    trainer = TorchTrainer(
-        train_loop_per_worker,
+    trainer = _trainer_class()(
+        train_fn,
         train_loop_config={
             "spec": spec.model_dump(mode="json"),
             "database_url": db_url,
@@ -54,6 +95,11 @@ def run(job_id: str) -> None:
             else None,
             "checkpoints_key": store.checkpoints_key(job_id),
             "device_memory_bytes": device_bytes,
+            # where a run's start-up time goes (the loop reports it with its first event)
+            "startup": {
+                "driver_process": psutil.Process().create_time(),
+                "trainer_fit": time.time(),
+            },
         },
         scaling_config=ScalingConfig(
             num_workers=res.num_workers,
@@ -75,6 +121,8 @@ def run(job_id: str) -> None:
         return
     if result.checkpoint is None:
         raise RuntimeError("training finished without a final checkpoint")
+    from tunefleet.workers.train.checkpoint import ADAPTER_DIR
+
     with result.checkpoint.as_directory() as folder:
         store.put_dir(store.adapter_key(job_id), Path(folder) / ADAPTER_DIR)
     log.info("adapter for %s stored at %s", job_id, store.adapter_key(job_id))

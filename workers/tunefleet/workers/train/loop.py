@@ -16,13 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from sqlalchemy import select
-from transformers import AutoTokenizer, get_linear_schedule_with_warmup
+from transformers import AutoTokenizer
 
 from tunefleet.platform.db import Job, session_scope
 from tunefleet.platform.progress import record_checkpoint, record_message, record_metrics
@@ -52,6 +53,22 @@ def make_optimizer(spec: JobSpec, params: list[torch.nn.Parameter]) -> torch.opt
     cls: Any = getattr(bnb_optim, "PagedAdamW8bit" if name == "paged_adamw_8bit" else "AdamW8bit")
     optimizer: torch.optim.Optimizer = cls(params, lr=spec.learning_rate, weight_decay=0.0)
     return optimizer
+
+
+def linear_schedule(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up from 0 to the optimizer's rate over ``warmup_steps``, then linear
+    decay to 0 at ``total_steps``: transformers' ``get_linear_schedule_with_warmup``,
+    written here because importing it pulls in its Trainer's modules (seconds of start-up
+    on every worker)."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def precision_context(spec: JobSpec, device_type: str) -> Any:
@@ -134,6 +151,7 @@ def probe_micro_batch(
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
+    entered = time.time()
     spec = JobSpec.model_validate(config["spec"])
     db_url: str = config["database_url"]
     ctx = ray.train.get_context()
@@ -232,7 +250,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         total_steps = min(total_steps, spec.tunefleet.max_steps)
 
     optimizer = make_optimizer(spec, [p for p in model.parameters() if p.requires_grad])
-    scheduler = get_linear_schedule_with_warmup(
+    scheduler = linear_schedule(
         optimizer, int(spec.tunefleet.warmup_ratio * total_steps), total_steps
     )
 
@@ -292,6 +310,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     "method": spec.tunefleet.method,
                     "strategy": strategy if sharded or world > 1 else "single",
                     "pid": os.getpid(),
+                    # seconds since the epoch: the driver's process and its trainer, this
+                    # worker's process, this function, and the end of set-up
+                    "startup": {
+                        **config.get("startup", {}),
+                        "worker_process": psutil.Process().create_time(),
+                        "train_fn": entered,
+                        "setup_done": time.time(),
+                    },
                     "trainable_parameters": trainable,
                     "total_parameters": total,
                 },

@@ -1,0 +1,126 @@
+"""A Ray cluster the test session starts and owns: ``ray start --head --block`` in a process
+group of its own, every port chosen free, its own temp dir, the session's auth token.
+
+Nothing here attaches to a cluster it did not start, and stopping signals only the
+cluster's own process group (never ``ray stop``, which ends every Ray of the user on the
+machine: a ``tunefleet up`` someone has running, a benchmark, another suite).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class RayCluster:
+    address: str  # GCS, for ray.init(address=...) and TUNEFLEET_RAY_ADDRESS
+    dashboard: str  # Jobs API base URL, for TUNEFLEET_RAY_DASHBOARD_URL
+    metrics_port: int  # Prometheus export port (Serve's per-adapter metrics)
+    temp_dir: Path
+    pid: int  # of `ray start --block`, the leader of the cluster's process group
+
+    def env(self) -> dict[str, str]:
+        """The settings that point a TuneFleet process at this cluster."""
+        return {
+            "TUNEFLEET_RAY_ADDRESS": self.address,
+            "TUNEFLEET_RAY_DASHBOARD_URL": self.dashboard,
+        }
+
+
+def _wait_listening(ports: list[int], proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 120
+    pending = list(ports)
+    while pending:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Ray ports {pending} never listened:\n{log.read_text()[-4000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", pending[0])) == 0:
+                pending.pop(0)
+                continue
+        time.sleep(0.2)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_group(pgid: int, grace_s: float = 15) -> None:
+    """SIGTERM the process group ``pgid`` (and only it), SIGKILL what is left after
+    ``grace_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def ray_cluster(num_cpus: int) -> Iterator[RayCluster]:
+    """Start a one-node cluster of ``num_cpus`` logical CPUs; stop its process group on exit.
+
+    The auth mode and token come from the environment (tests/conftest.py sets a token of
+    the session's own), so this process's Ray clients and the cluster agree."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="r", dir=os.environ.get("RAY_TMPDIR")))
+    port, dashboard, agent = free_port(), free_port(), free_port()
+    metrics = free_port()
+    log = temp_dir / "ray-start.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                *(RAY, "start", "--head", "--block", "--disable-usage-stats"),
+                *("--num-cpus", str(num_cpus)),  # GPUs: what Ray detects
+                *("--node-ip-address", "127.0.0.1", "--port", str(port)),
+                *("--temp-dir", str(temp_dir)),
+                *("--include-dashboard", "true", "--dashboard-host", "127.0.0.1"),
+                *("--dashboard-port", str(dashboard)),
+                # every port of its own: a default one held by another Ray on this machine
+                # (52365, the agent's) leaves the Jobs API answering "no available agent"
+                *("--dashboard-agent-listen-port", str(agent)),
+                *("--dashboard-agent-grpc-port", str(free_port())),
+                *("--metrics-export-port", str(metrics)),
+                *("--runtime-env-agent-port", str(free_port())),
+                *("--node-manager-port", str(free_port())),
+                *("--object-manager-port", str(free_port())),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stopped by that group alone
+        )
+    try:
+        _wait_listening([port, dashboard, agent], proc, log)
+        yield RayCluster(
+            address=f"127.0.0.1:{port}",
+            dashboard=f"http://127.0.0.1:{dashboard}",
+            metrics_port=metrics,
+            temp_dir=temp_dir,
+            pid=proc.pid,
+        )
+    finally:
+        stop_group(proc.pid)
+        proc.wait(10)
