@@ -111,7 +111,9 @@ def db_url(request: pytest.FixtureRequest, db_kind: str, tmp_path: Path) -> str:
 @pytest.fixture(scope="session")
 def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A SQLite file migrated to head once, its write-ahead log folded in, so that a copy
-    of the file is the whole database (fresh upgrades are tests/migrations' to check)."""
+    of the file is the whole database (fresh upgrades are tests/migrations' to check). It
+    stays in WAL mode, as the platform leaves a database it migrated: switching a copy's
+    journal mode would take an exclusive lock that concurrent first connections lose."""
     import sqlite3
 
     from tunefleet.platform.db.session import get_engine
@@ -120,7 +122,11 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     upgrade(f"sqlite:///{path}")
     get_engine(f"sqlite:///{path}").dispose()
     with contextlib.closing(sqlite3.connect(path)) as conn:
-        conn.execute("PRAGMA journal_mode=DELETE")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert not path.with_name(path.name + "-wal").exists() or not (
+        path.with_name(path.name + "-wal").stat().st_size
+    )
     return path
 
 
