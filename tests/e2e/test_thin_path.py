@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ import httpx
 import pytest
 
 from conftest import auth
+from raycluster import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -40,12 +40,6 @@ QUESTIONS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def stack(
     tmp_path_factory: pytest.TempPathFactory, tiny_registry: Path, ray_cluster: Any
@@ -58,8 +52,8 @@ def stack(
         **ray_cluster.env(),
         "TUNEFLEET_DATA_DIR": str(data),
         "TUNEFLEET_MODEL_REGISTRY": str(tiny_registry),
-        "TUNEFLEET_API_PORT": str(_free_port()),
-        "TUNEFLEET_SERVE_PORT": str(_free_port()),
+        "TUNEFLEET_API_PORT": str(free_port()),
+        "TUNEFLEET_SERVE_PORT": str(free_port()),
         "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
     }
     cli = [sys.executable, "-m", "tunefleet.cli.main"]
