@@ -1,6 +1,7 @@
 """Planner accuracy: predicted vs measured memory of one real training step, per method.
 
-Each case runs in a fresh subprocess (`measure` below): it builds a random Llama as the
+Each case runs in a fresh process (`measure` below, in a child forked from one that has
+imported the libraries once): it builds a random Llama as the
 training loop does, wraps it for the method (peft LoRA, or all parameters for full
 fine-tuning), takes one AdamW step on a batch of random tokens, and measures
 - *states*: bytes of parameters, gradients and optimizer-state tensors, counted exactly;
@@ -97,7 +98,7 @@ def case_spec(case: dict[str, Any]) -> Any:
 
 
 def measure(case: dict[str, Any]) -> dict[str, Any]:
-    """Run in a fresh process (see ``run_case``): one real step of the training loop's own
+    """Run in a fresh process (see ``measure_each``): one real step of the training loop's own
     model, optimizer and precision context (``tunefleet.workers.train``), measured."""
     import gc
     import tempfile
@@ -168,16 +169,43 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_case(case: dict[str, Any], threads: int = 2) -> dict[str, Any]:
+def measure_each(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``measure`` for each case, each in a child forked from this process once it has
+    imported the loop's libraries: a fresh heap per case without paying the imports again."""
+    import tunefleet.workers.train.loop
+    import tunefleet.workers.train.methods  # noqa: F401
+
+    rows = []
+    for case in cases:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: measure, answer, and leave without running any cleanup
+            os.close(read)
+            try:
+                os.write(write, json.dumps(measure(case)).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as answer:
+            text = answer.read()
+        _, status = os.waitpid(pid, 0)
+        if not text or os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"measuring {case} failed (exit status {status})")
+        rows.append(json.loads(text))
+    return rows
+
+
+def run_cases(cases: list[dict[str, Any]], threads: int = 2) -> list[dict[str, Any]]:
+    """``measure_each`` in a fresh process of ``threads`` compute threads."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(threads)}
     out = subprocess.run(
-        [sys.executable, __file__, "--measure", json.dumps(case)],
+        [sys.executable, __file__, "--measure", json.dumps(cases)],
         env=env,
         capture_output=True,
         text=True,
         check=True,
     )
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    return list(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def predict(case: dict[str, Any]) -> dict[str, Any]:
@@ -200,21 +228,27 @@ def predict(case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def compare(case: dict[str, Any], threads: int = 2) -> dict[str, Any]:
-    """Measured against predicted for ``case``, measured in a fresh process of ``threads``
-    compute threads (memory does not depend on them; the test runs two cases at once)."""
-    measured, predicted = run_case(case, threads), predict(case)
-    return {
-        "case": case,
-        "measured": measured,
-        "predicted": predicted,
-        "states_error": predicted["states_bytes"] / measured["states_bytes"] - 1,
-        "peak_error": predicted["peak_bytes"] / measured["peak_bytes"] - 1,
-    }
+def compare(cases: list[dict[str, Any]], threads: int = 2) -> list[dict[str, Any]]:
+    """Measured against predicted for each case, measured in one fresh process of
+    ``threads`` compute threads (memory does not depend on them; the test runs two such
+    processes at once)."""
+    rows = []
+    for case, measured in zip(cases, run_cases(cases, threads), strict=True):
+        predicted = predict(case)
+        rows.append(
+            {
+                "case": case,
+                "measured": measured,
+                "predicted": predicted,
+                "states_error": predicted["states_bytes"] / measured["states_bytes"] - 1,
+                "peak_error": predicted["peak_bytes"] / measured["peak_bytes"] - 1,
+            }
+        )
+    return rows
 
 
 def main() -> None:
-    rows = [compare(c) for c in CASES]
+    rows = compare(CASES)
     out = {
         "benchmark": "planner_accuracy",
         "device": "cpu",
@@ -239,6 +273,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--measure":
-        print(json.dumps(measure(json.loads(sys.argv[2]))))
+        print(json.dumps(measure_each(json.loads(sys.argv[2]))))
     else:
         main()

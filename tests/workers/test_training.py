@@ -136,24 +136,39 @@ def _run_side_by_side(job_ids: list[str]) -> dict[str, BaseException | None]:
         return dict(zip(job_ids, pool.map(one, job_ids), strict=True))
 
 
+FSDP_CASES = [  # (method, FSDP strategies compared with DDP, precision)
+    ("lora", ("zero2", "zero3"), "fp32"),
+    ("full", ("zero3",), "bf16"),
+    ("qlora", ("zero3",), "fp32"),
+]
+
+
 @pytest.fixture(scope="module")
-def method_jobs(ray_env: dict[str, Any]) -> dict[str, tuple[str, BaseException | None]]:
-    """Every method's job, run once for the module: {method: (job id, error)}."""
-    ids = {
-        method: _job(ray_env, 4, multiplier, {"method": method, **options})
-        for method, (multiplier, options) in CASES.items()
-    }
-    errors = _run_side_by_side(list(ids.values()))
-    return {method: (job_id, errors[job_id]) for method, job_id in ids.items()}
+def runs(ray_env: dict[str, Any]) -> dict[str, tuple[str, BaseException | None]]:
+    """Every job of this module that runs start to end undisturbed, run once for the module
+    and side by side: {name: (job id, error)}. The compiled run, the longest, goes first."""
+    jobs = {"compiled": _job(ray_env, 2, 20, {"method": "lora", "compile": True})}
+    for method, (multiplier, options) in CASES.items():
+        jobs[method] = _job(ray_env, 4, multiplier, {"method": method, **options})
+    for method, strategies, precision in FSDP_CASES:
+        for strategy in ("ddp", *strategies):
+            jobs[f"{method}-{strategy}"] = _two_workers(ray_env, method, strategy, precision)
+    jobs["probed"] = _planned_job(ray_env, PlanDevice.from_gb(80, 256))
+    # 2.5 MB: the planner's 2.1 MB fits it, the worker's real footprint does not
+    too_small = PlanDevice(memory_bytes=2.5 * 2**20, host_bytes=2**30)
+    jobs["probed-too-small"] = _planned_job(ray_env, too_small)
+    jobs["validated"] = _validated_job(ray_env)
+    errors = _run_side_by_side(list(jobs.values()))
+    return {name: (job_id, errors[job_id]) for name, job_id in jobs.items()}
 
 
 @pytest.mark.parametrize("method", list(CASES))
 def test_method_trains_and_saves(
-    ray_env: dict[str, Any], method_jobs: dict[str, Any], method: str
+    ray_env: dict[str, Any], runs: dict[str, Any], method: str
 ) -> None:
     _, options = CASES[method]
     settings = get_settings()
-    job_id, error = method_jobs[method]
+    job_id, error = runs[method]
     assert error is None, error
 
     events = _events(ray_env, job_id)
@@ -310,16 +325,13 @@ def _two_workers(env: dict[str, Any], method: str, strategy: str, precision: str
     return _job(env, 2, 20, options)  # 8 examples, batch 4 over 2 workers: 4 steps
 
 
-@pytest.mark.parametrize(
-    ("method", "strategies", "precision"),
-    [
-        ("lora", ("zero2", "zero3"), "fp32"),
-        ("full", ("zero3",), "bf16"),
-        ("qlora", ("zero3",), "fp32"),
-    ],
-)
+@pytest.mark.parametrize(("method", "strategies", "precision"), FSDP_CASES)
 def test_fsdp_trains_like_ddp(
-    ray_env: dict[str, Any], method: str, strategies: tuple[str, ...], precision: str
+    ray_env: dict[str, Any],
+    runs: dict[str, Any],
+    method: str,
+    strategies: tuple[str, ...],
+    precision: str,
 ) -> None:
     """Two workers, the same job under DDP and under FSDP2 (ZeRO-2/ZeRO-3, with a bf16
     mixed-precision policy for full fine-tuning, QLoRA's 4-bit base left whole): the same
@@ -336,8 +348,8 @@ def test_fsdp_trains_like_ddp(
         weights = next(f for f in folder.iterdir() if f.suffix == ".safetensors")
         return losses, load_file(str(weights)), start.message
 
-    jobs = {s: _two_workers(ray_env, method, s, precision) for s in ("ddp", *strategies)}
-    errors = _run_side_by_side(list(jobs.values()))
+    jobs = {s: runs[f"{method}-{s}"][0] for s in ("ddp", *strategies)}
+    errors = {s: runs[f"{method}-{s}"][1] for s in jobs}
     assert not any(errors.values()), errors
     ddp_losses, ddp_weights, ddp_start = outcome(jobs["ddp"])
     assert "sharded" not in ddp_start
@@ -376,35 +388,28 @@ def _planned_job(env: dict[str, Any], device: PlanDevice) -> str:
         return job.id
 
 
-def test_the_planned_micro_batch_is_probed_on_the_device(ray_env: dict[str, Any]) -> None:
-    from tunefleet.workers.train.driver import run
-
-    job_id = _planned_job(ray_env, PlanDevice.from_gb(80, 256))
-    run(job_id)
+def test_the_planned_micro_batch_is_probed_on_the_device(
+    ray_env: dict[str, Any], runs: dict[str, Any]
+) -> None:
+    job_id, error = runs["probed"]
+    assert error is None, error
     start = next(e for e in _events(ray_env, job_id) if e.message.startswith("Training "))
     assert "micro-batch 4 probed on the device (planned 4; step peak" in start.message
     assert start.data["micro_batch"] == 4
 
-    # 2.5 MB: the planner's 2.1 MB fits it, the worker's real footprint does not
-    job_id = _planned_job(ray_env, PlanDevice(memory_bytes=2.5 * 2**20, host_bytes=2**30))
-    with pytest.raises(Exception, match="not even a micro-batch of 1 example fits"):
-        run(job_id)
+    _, error = runs["probed-too-small"]
+    assert "not even a micro-batch of 1 example fits" in str(error)
 
 
-def test_a_validation_file_is_scored_at_checkpoints(ray_env: dict[str, Any]) -> None:
-    """Loss and next-token accuracy over the whole validation file at every epoch end (the
-    checkpoints) and at the end, on both workers' shares."""
-    from tunefleet.workers.train.driver import run
-
-    data = ray_env["data"]
-    with session_scope(ray_env["url"]) as s:
-        store = ArtifactStore(data / "artifacts")
-        tenant = ray_env["principal"].tenant_id
-        valid = add_chat_file(s, store, tenant, "f-valid", 3)
+def _validated_job(env: dict[str, Any]) -> str:
+    """Two workers with a validation file of 3 examples, 2 epochs of 2 steps."""
+    with session_scope(env["url"]) as s:
+        store = ArtifactStore(env["data"] / "artifacts")
+        valid = add_chat_file(s, store, env["principal"].tenant_id, "f-valid", 3)
         req = JobCreateRequest.model_validate(
             {
                 "model": BIASED,
-                "training_file": ray_env["file"],
+                "training_file": env["file"],
                 "validation_file": valid,
                 "seed": 3,
                 "hyperparameters": {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 20},
@@ -414,10 +419,17 @@ def test_a_validation_file_is_scored_at_checkpoints(ray_env: dict[str, Any]) -> 
                 },
             }
         )
-        job_id = create_job(
-            s, ray_env["principal"], req, ModelRegistry(get_settings().resolved_model_registry)
-        ).id
-    run(job_id)
+        registry = ModelRegistry(get_settings().resolved_model_registry)
+        return create_job(s, env["principal"], req, registry).id
+
+
+def test_a_validation_file_is_scored_at_checkpoints(
+    ray_env: dict[str, Any], runs: dict[str, Any]
+) -> None:
+    """Loss and next-token accuracy over the whole validation file at every epoch end (the
+    checkpoints) and at the end, on both workers' shares."""
+    job_id, error = runs["validated"]
+    assert error is None, error
     scored = {
         e.data["step"]: e.data
         for e in _events(ray_env, job_id)
@@ -430,11 +442,9 @@ def test_a_validation_file_is_scored_at_checkpoints(ray_env: dict[str, Any]) -> 
     assert scored[4]["full_valid_loss"] < scored[2]["full_valid_loss"]
 
 
-def test_a_compiled_model_trains(ray_env: dict[str, Any]) -> None:
-    from tunefleet.workers.train.driver import run
-
-    job_id = _job(ray_env, 2, 20, {"method": "lora", "compile": True})
-    run(job_id)
+def test_a_compiled_model_trains(ray_env: dict[str, Any], runs: dict[str, Any]) -> None:
+    job_id, error = runs["compiled"]
+    assert error is None, error
     events = _events(ray_env, job_id)
     start = next(e for e in events if e.message.startswith("Training "))
     assert ", compiled" in start.message
