@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import event, func, select
 
@@ -161,9 +162,79 @@ def test_schema_errors_use_openai_shape(app_client: TestClient, key_a: str) -> N
         headers=H(key_a),
         json={"model": TINY, "training_file": "f", "tunefleet": {"lora": {"r": 0}}},
     )
-    assert resp.status_code == 422
+    assert resp.status_code == 400
     err = resp.json()["error"]
     assert err["param"] == "tunefleet.lora.r" and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "named"),
+    [
+        (
+            {"hyperparameters": {"n_epochs": -3}},
+            "hyperparameters.n_epochs",
+            "from 1 to 50 (got -3)",
+        ),
+        ({"hyperparameters": {"batch_size": 10**9}}, "hyperparameters.batch_size", "1000000000"),
+        (
+            {"method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 0}}}},
+            "method.supervised.hyperparameters.n_epochs",
+            "0",
+        ),
+        (
+            {"hyperparameters": {"learning_rate_multiplier": "NaN"}},
+            "hyperparameters.learning_rate_multiplier",
+            "above 0 and at most 100 (got nan)",
+        ),
+        ({"tunefleet": {"resources": {"cpus_per_worker": "Infinity"}}}, None, "finite"),
+        ({"tunefleet": {"resources": {"gpus_per_worker": 1000}}}, None, "64"),
+        ({"tunefleet": {"warmup_ratio": "-Infinity"}}, None, "finite"),
+    ],
+    ids=["negative-epochs", "huge-batch", "method-epochs", "nan", "infinity", "gpus", "-inf"],
+)
+def test_out_of_bounds_numbers_are_a_400_naming_the_field(
+    app_client: TestClient, key_a: str, body: dict[str, Any], param: str | None, named: str
+) -> None:
+    """Numbers outside their bounds, NaN and infinities (which JSON cannot store: a stored
+    spec holding one read back as another value and stopped the controller for every
+    tenant) are refused as OpenAI refuses a bad field: 400 in its error shape, naming the
+    field and the value, never a 500 that the SDK retries."""
+    f = upload(app_client, key_a, json.dumps(CHAT).encode())
+    raw = json.dumps({"model": TINY, "training_file": f["id"], **body})
+    # Python's json writes NaN/Infinity for the strings above, as a careless client would
+    for word in ("NaN", "-Infinity", "Infinity"):
+        raw = raw.replace(f'"{word}"', word)
+    resp = app_client.post(
+        "/v1/fine_tuning/jobs",
+        headers={**H(key_a), "content-type": "application/json"},
+        content=raw,
+    )
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["type"] == "invalid_request_error" and named in err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"] == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "named"),
+    [
+        ("[]", "got an array"),
+        ("3", "got a number"),
+        ("{oops", "not valid JSON"),
+        ("null", "got null"),
+    ],
+)
+def test_an_inference_body_that_is_not_an_object_is_a_400(
+    app_client: TestClient, key_a: str, raw: str, named: str
+) -> None:
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        resp = app_client.post(
+            path, headers={**H(key_a), "content-type": "application/json"}, content=raw
+        )
+        assert resp.status_code == 400, resp.text
+        assert named in resp.json()["error"]["message"]
 
 
 def test_models_lists_registry(app_client: TestClient, key_a: str) -> None:
@@ -178,7 +249,7 @@ def test_models_lists_registry(app_client: TestClient, key_a: str) -> None:
 def test_training_options_are_stored_and_hardware_needs_named(
     app_client: TestClient, key_a: str
 ) -> None:
-    """Methods, precisions and optimizers reach the stored spec; what needs a GPU is a 422
+    """Methods, precisions and optimizers reach the stored spec; what needs a GPU is a 400
     for CPU workers naming the option; BitFit on a model without biases is a 400."""
     f = upload(app_client, key_a, json.dumps(CHAT).encode())
 
@@ -211,10 +282,10 @@ def test_training_options_are_stored_and_hardware_needs_named(
     assert stored["lora"]["use_dora"] is True
 
     status, err = create({"precision": "fp8"})
-    assert status == 422 and "'fp8'" in err["error"]["message"]
+    assert status == 400 and "'fp8'" in err["error"]["message"]
     assert "gpus_per_worker" in err["error"]["message"]
     status, err = create({"optimizer": "paged_adamw_8bit"})
-    assert status == 422 and "'paged_adamw_8bit'" in err["error"]["message"]
+    assert status == 400 and "'paged_adamw_8bit'" in err["error"]["message"]
     status, job = create({"precision": "fp8", "resources": {"gpus_per_worker": 1}})
     assert status == 200, job  # accepted for GPU workers (1 GPU is within tenant-a's quota)
     assert job["status"] == "validating_files" and job["tunefleet"]["precision"] == "fp8"
@@ -223,7 +294,7 @@ def test_training_options_are_stored_and_hardware_needs_named(
     assert status == 400 and err["error"]["param"] == "tunefleet.method"
     assert "bias" in err["error"]["message"]
     status, err = create({"method": "dreambooth"})
-    assert status == 422 and "'dreambooth'" in err["error"]["message"]
+    assert status == 400 and "'dreambooth'" in err["error"]["message"]
 
 
 def test_a_job_is_stored_in_one_statement_on_postgresql(

@@ -4,6 +4,7 @@ cancel that races a pass is respected, not overwritten."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -192,3 +193,91 @@ def test_a_submit_refused_every_time_fails_the_job(settings: Settings) -> None:
         assert job is not None and job.status == "failed" and job.failures == 3
         assert job.error is not None and job.error["code"] == "dispatch_failed"
         assert "No available agent" in job.error["message"]
+
+
+def _jobs(settings: Settings, n: int, tenant_name: str = "globex") -> list[str]:
+    """``n`` jobs of one tenant on one file."""
+    url = settings.resolved_database_url
+    with session_scope(url) as s:
+        tenant = create_tenant(s, tenant_name)
+        principal = authenticate(s, f"Bearer {create_key(s, tenant.id)[1]}")
+        add_chat_file(s, ArtifactStore(settings.resolved_artifact_root), tenant.id, "file-g", 3)
+        registry = ModelRegistry(settings.resolved_model_registry)
+        req = JobCreateRequest.model_validate({"model": "tiny-llama", "training_file": "file-g"})
+        return [create_job(s, principal, req, registry).id for _ in range(n)]
+
+
+def _store_spec_value(url: str, job_id: str, cpus: Any) -> None:
+    """Write into a stored spec what an earlier version let through: Infinity, which the
+    JSON column stores as null."""
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        spec = json.loads(json.dumps(job.spec))
+        spec["tunefleet"]["resources"]["cpus_per_worker"] = cpus
+        job.spec = spec
+
+
+def test_a_stored_spec_that_no_longer_validates_fails_that_job_alone(settings: Settings) -> None:
+    """Such a spec stopped every pass (every tenant's jobs stayed where they were); now its
+    job fails with the reason, whether it waits for admission or in the queue, and the other
+    jobs go on in the same pass."""
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    url = settings.resolved_database_url
+    bad, good, later = _jobs(settings, 3)
+    _store_spec_value(url, bad, None)
+    ctl.tick()
+    with session_scope(url) as s:
+        failed, running, queued = (s.get(Job, j) for j in (bad, good, later))
+        assert failed is not None and failed.status == "failed"
+        assert failed.error is not None and failed.error["code"] == "invalid_spec"
+        assert "resources.cpus_per_worker" in failed.error["message"]
+        assert running is not None and running.status == "running"
+        assert queued is not None and queued.status == "queued"  # one CPU, taken
+    assert twin.submitted == [f"{good}-1"]
+
+    _store_spec_value(url, later, 1e9)  # over the bound, in the queue
+    twin.status[f"{good}-1"] = "FAILED"  # and another job needs handling in the same pass
+    ctl.tick()
+    with session_scope(url) as s:
+        failed, retried = s.get(Job, later), s.get(Job, good)
+        assert failed is not None and failed.status == "failed"
+        assert failed.error is not None and failed.error["code"] == "invalid_spec"
+        assert retried is not None and retried.status == "queued" and retried.failures == 1
+
+
+class ServeRefusingTwin(TwinBackend):
+    def deploy_model_server(self, base_model: str, model_path: str) -> str:
+        self.deployed.append(base_model)
+        raise RuntimeError("replica failed to start: out of memory")
+
+
+def test_a_model_server_that_will_not_start_troubles_its_job_alone(settings: Settings) -> None:
+    """A base model whose Serve application does not start failed every pass; now the job
+    whose adapter waits for it says why, once, and stays running (its adapter is kept) while
+    the deploy is retried after a while; other jobs are followed in the same pass."""
+    twin = ServeRefusingTwin()
+    twin.nodes = lambda: [Node("twin", cpus=2)]  # type: ignore[method-assign]
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    url = settings.resolved_database_url
+    done, failing = _jobs(settings, 2)
+    ctl.tick()
+    assert twin.submitted == [f"{done}-1", f"{failing}-1"]
+    store = ArtifactStore(settings.resolved_artifact_root)
+    store.path(store.adapter_key(done)).mkdir(parents=True)
+    twin.status[f"{done}-1"] = SUCCEEDED
+    twin.status[f"{failing}-1"] = "FAILED"
+    ctl.tick()
+    ctl.tick()
+    with session_scope(url) as s:
+        waiting, retried = s.get(Job, done), s.get(Job, failing)
+        assert waiting is not None and waiting.status == "running"
+        assert retried is not None and retried.status == "queued" and retried.failures == 1
+        events, _ = list_events(s, done, limit=100)
+    said = [e for e in events if "could not follow this job" in e.message]
+    assert len(said) == 1 and said[0].level == "warning"
+    assert "serving base model 'tiny-llama' failed to start" in said[0].message
+    assert "out of memory" in said[0].message
+    assert twin.deployed == ["tiny-llama"]  # not again on every pass
+    assert store.exists(store.adapter_key(done))

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from tunefleet.platform.errors import TuneFleetError
@@ -39,20 +40,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
-        param = ".".join(loc) or None
-        detail = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}" + _got(e)
-            for e in errors[:10]
-        )
-        return JSONResponse(
-            status_code=422,
-            content=error_body(
-                f"invalid request: {detail}", "invalid_request_error", param, "invalid_request"
-            ),
-        )
+        return _invalid(exc.errors())
+
+    @app.exception_handler(ValidationError)
+    async def _model_validation(_: Request, exc: ValidationError) -> JSONResponse:
+        # a value the request carried, refused by a model the route builds from it
+        return _invalid(exc.errors())
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
@@ -71,3 +64,23 @@ def install_error_handlers(app: FastAPI) -> None:
                 f"internal error: {type(exc).__name__}", "server_error", None, "internal_error"
             ),
         )
+
+
+def _invalid(errors: Any) -> JSONResponse:
+    """400, as OpenAI answers a request its schema refuses (not FastAPI's 422, which the
+    OpenAI SDKs do not raise as ``BadRequestError``): every refused field named, with the
+    value it had."""
+    errors = list(errors)
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    param = ".".join(loc) or None
+    detail = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}" + _got(e)
+        for e in errors[:10]
+    )
+    return JSONResponse(
+        status_code=400,
+        content=error_body(
+            f"invalid request: {detail}", "invalid_request_error", param, "invalid_request"
+        ),
+    )

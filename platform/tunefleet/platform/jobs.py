@@ -8,13 +8,14 @@ stored request, never silently dropped.
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 import time
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from sqlalchemy import Executable, Row, and_, bindparam, exists, insert, select
 from sqlalchemy.orm import Session
 
@@ -41,13 +42,37 @@ _SUFFIX_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 class HyperparametersIn(BaseModel):
     """OpenAI's hyperparameters; each may be ``"auto"``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    n_epochs: int | Literal["auto"] = Field(default="auto", description="Passes over the data.")
-    batch_size: int | Literal["auto"] = Field(default="auto", description="Global batch size.")
-    learning_rate_multiplier: float | Literal["auto"] = Field(
-        default="auto", description="Scales the method's base learning rate."
+    n_epochs: int | Literal["auto"] = Field(
+        default="auto", description="Passes over the data (1-50)."
     )
+    batch_size: int | Literal["auto"] = Field(
+        default="auto", description="Global batch size (1-4096)."
+    )
+    learning_rate_multiplier: float | Literal["auto"] = Field(
+        default="auto", description="Scales the method's base learning rate (above 0, at most 100)."
+    )
+
+    @field_validator("n_epochs", "batch_size", "learning_rate_multiplier", mode="before")
+    @classmethod
+    def _bounded(cls, v: Any, info: ValidationInfo) -> Any:
+        """The spec's bounds (``Hyperparameters``), checked here so that the refusal names
+        the field as the request spelled it."""
+        if v == "auto" or isinstance(v, bool) or not isinstance(v, int | float):
+            return v  # pydantic names the wrong type
+        low, high = _HYPERPARAMETER_BOUNDS[info.field_name or ""]
+        if not math.isfinite(v) or not low <= v <= high or v == 0:
+            span = f"above 0 and at most {high}" if low == 0 else f"from {low} to {high}"
+            raise ValueError(f"must be 'auto' or a number {span}")
+        return v
+
+
+_HYPERPARAMETER_BOUNDS = {
+    "n_epochs": (1, 50),
+    "batch_size": (1, 4096),
+    "learning_rate_multiplier": (0, 100),  # above 0
+}
 
 
 class SupervisedIn(BaseModel):
@@ -66,7 +91,7 @@ class MethodIn(BaseModel):
 class JobCreateRequest(BaseModel):
     """Body of ``POST /v1/fine_tuning/jobs``."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str = Field(description="Base model name, from GET /v1/models.")
     training_file: str = Field(description="Id of an uploaded file with purpose fine-tune.")

@@ -45,7 +45,9 @@ Strategy = Literal["ddp", "zero2", "zero3", "zero3_offload"]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # NaN and infinities are refused: JSON cannot store them, so a spec holding one would
+    # read back as another value (or fail) once stored
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class LoraOptions(_Frozen):
@@ -107,8 +109,8 @@ class Resources(_Frozen):
     """What one run asks of the Ray cluster."""
 
     num_workers: int = Field(default=1, ge=1, le=1024, description="Ray Train workers.")
-    gpus_per_worker: float = Field(default=0, ge=0, description="GPUs per worker (0 = CPU).")
-    cpus_per_worker: float = Field(default=1, gt=0, description="CPUs per worker.")
+    gpus_per_worker: float = Field(default=0, ge=0, le=64, description="GPUs per worker (0 = CPU).")
+    cpus_per_worker: float = Field(default=1, gt=0, le=1024, description="CPUs per worker.")
 
 
 class RopeScaling(_Frozen):

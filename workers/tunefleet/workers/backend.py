@@ -111,12 +111,16 @@ class RayBackend:
         """Start the training driver for ``job_id``. Submitting an id that exists is a no-op."""
         if self.run_status(submission_id).status != NOT_FOUND:
             return
-        self._client.submit_job(
-            entrypoint=f"{sys.executable} -m tunefleet.workers.train.driver {job_id}",
-            submission_id=submission_id,
-            runtime_env={"env_vars": {**_passthrough_env(), **env}},
-            metadata={"tunefleet_job_id": job_id},
-        )
+        try:
+            self._client.submit_job(
+                entrypoint=f"{sys.executable} -m tunefleet.workers.train.driver {job_id}",
+                submission_id=submission_id,
+                runtime_env={"env_vars": {**_passthrough_env(), **env}},
+                metadata={"tunefleet_job_id": job_id},
+            )
+        except RuntimeError as exc:  # submitted between the check and here: the same run
+            if f"submission_id {submission_id} already exists" not in str(exc):
+                raise
 
     def run_status(self, submission_id: str) -> RunInfo:
         try:

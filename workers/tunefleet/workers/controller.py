@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -87,6 +88,8 @@ PAUSE_GRACE_S = 120
 MAX_RUN_FAILURES = 3
 RETRY_BASE_S = 10
 RETRY_MAX_S = 300
+# A base model whose Serve application failed to deploy is tried again after this long.
+SERVE_RETRY_S = 60
 
 
 class Controller:
@@ -100,6 +103,9 @@ class Controller:
         self._served: set[str] = set()
         self._tokenizers: dict[str, Any] = {}
         self._waiting: dict[str, str] = {}  # job id -> the last "Waiting in queue" written
+        self._trouble: dict[str, str] = {}  # job id -> the last trouble said on it
+        # base model -> (monotonic time of the next try, why the last one failed)
+        self._serve_failed: dict[str, tuple[float, str]] = {}
 
     # -- the loop --------------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
@@ -160,7 +166,11 @@ class Controller:
             for job in pending:
                 s.expunge(job)
         for job in pending:
-            spec = JobSpec.model_validate(job.spec)
+            try:
+                spec = JobSpec.model_validate(job.spec)
+            except ValidationError as exc:  # stored before a bound existed: this job alone
+                self._fail_unreadable(job.id, S.VALIDATING_FILES, exc)
+                continue
             try:
                 stats = {
                     role: self._file_stats(file_id, job.model, spec.tunefleet.max_seq_len)
@@ -230,6 +240,12 @@ class Controller:
                     .order_by(Job.priority.desc(), Job.created_ns, Job.id)
                 )
             )
+            for job in [j for j in queued if _resources(j) is None]:
+                queued.remove(job)
+                try:
+                    Resources.model_validate(_stored_resources(job))
+                except ValidationError as exc:
+                    self._fail_unreadable(job.id, S.QUEUED, exc)
             jobs = {j.id: j for j in queued}
             self._waiting = {k: v for k, v in self._waiting.items() if k in jobs}
             if not queued:
@@ -272,6 +288,8 @@ class Controller:
         running: list[RunningJob] = []
         for job in s.scalars(select(Job).where(Job.status == S.RUNNING.value)):
             res = _resources(job)
+            if res is None:  # cannot have started: counts for nothing
+                continue
             placed = (job.placement or {}).get("nodes", [])
             for node_id in placed:
                 if node_id in held:
@@ -369,8 +387,8 @@ class Controller:
         for job_id, sid in jobs:
             if sid is None:
                 continue
-            info = self.backend.run_status(sid)
-            with moved_on(job_id):
+            with moved_on(job_id), self._job_alone(job_id):
+                info = self.backend.run_status(sid)
                 if info.status == NOT_FOUND:
                     log.warning("run %s of %s is unknown to Ray; submitting it", sid, job_id)
                     self._submit(job_id, sid)
@@ -380,6 +398,41 @@ class Controller:
                     self._run_failed(job_id, sid, info.message)
                 else:
                     failpoint("follow.running")
+
+    @contextlib.contextmanager
+    def _job_alone(self, job_id: str) -> Iterator[None]:
+        """What goes wrong while following one job (Ray unreachable for it, its model's
+        server not starting) is said on that job, once per distinct message, and the pass
+        goes on with the others; the next pass tries the job again."""
+        try:
+            yield
+        except Conflict:
+            raise  # moved on by someone else: not trouble
+        except Exception as exc:
+            message = f"The controller could not follow this job this pass: {exc}"
+            log.warning("job %s: %s", job_id, message)
+            if self._trouble.get(job_id) != message:
+                self._trouble[job_id] = message
+                with session_scope(self.db_url) as s:
+                    add_event(s, job_id, message[:2000], level="warning")
+
+    def _fail_unreadable(self, job_id: str, status: JobStatus, exc: ValidationError) -> None:
+        """Fail a job whose stored spec no longer validates (a value stored before a bound
+        existed), naming what is wrong; the other jobs go on."""
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5]
+        )
+        with moved_on(job_id), session_scope(self.db_url) as s:
+            transition(
+                s,
+                job_id,
+                status,
+                S.FAILED,
+                f"The job's settings are invalid: {problems}; create the job again with "
+                "valid values",
+                level="error",
+                error={"code": "invalid_spec", "message": problems, "param": "tunefleet"},
+            )
 
     def _run_failed(self, job_id: str, sid: str, message: str, *, submitted: bool = True) -> None:
         """A run failed, or could not even be submitted: retry it after a backoff while the
@@ -516,7 +569,19 @@ class Controller:
         """Deploy the Serve application of ``base_model`` once per controller."""
         if base_model in self._served:
             return
-        self.backend.deploy_model_server(base_model, str(self.registry.path(base_model)))
+        failed = self._serve_failed.get(base_model)
+        if failed is not None and time.monotonic() < failed[0]:
+            raise RuntimeError(failed[1])
+        try:
+            self.backend.deploy_model_server(base_model, str(self.registry.path(base_model)))
+        except Exception as exc:
+            message = (
+                f"serving base model {base_model!r} failed to start ({exc}); "
+                f"retrying in {SERVE_RETRY_S}s"
+            )
+            self._serve_failed[base_model] = (time.monotonic() + SERVE_RETRY_S, message)
+            raise RuntimeError(message) from exc
+        self._serve_failed.pop(base_model, None)
         self._served.add(base_model)
 
     def serve_existing_adapters(self) -> None:
@@ -524,17 +589,29 @@ class Controller:
             bases = set(s.scalars(select(Adapter.base_model).distinct()))
         for base in sorted(bases):
             if base in self.registry.names():
-                self.ensure_served(base)
+                try:
+                    self.ensure_served(base)
+                except RuntimeError as exc:  # its jobs' adapters wait; other bases go on
+                    log.warning("%s", exc)
 
 
-def _resources(job: Job) -> Resources:
+def _stored_resources(job: Job) -> Any:
+    return (job.spec or {}).get("tunefleet", {}).get("resources", {})
+
+
+def _resources(job: Job) -> Resources | None:
     """The job's resources, read from its stored spec without validating the whole spec
-    (the scheduler reads every queued and running job on every pass)."""
-    return Resources.model_validate(job.spec.get("tunefleet", {}).get("resources", {}))
+    (the scheduler reads every queued and running job on every pass); None when they do not
+    validate."""
+    try:
+        return Resources.model_validate(_stored_resources(job))
+    except ValidationError:
+        return None
 
 
 def _queued(job: Job) -> QueuedJob:
     res = _resources(job)
+    assert res is not None  # unreadable jobs were failed before planning
     return QueuedJob(
         id=job.id,
         tenant_id=job.tenant_id,

@@ -5,8 +5,8 @@ holds it. Streamed answers (``stream: true``) are relayed event by event."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 from fastapi import APIRouter, Request
@@ -55,7 +55,17 @@ async def _forward(
 ) -> Response:
     """Check ``model``, then pass the request to Serve and its answer back: whole, or
     as the server-sent events it streams."""
-    body: dict[str, Any] = await request.json()
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+        raise InvalidRequest(
+            f"the request body must be a JSON object with 'model' and "
+            f"{'messages' if path.startswith('chat') else 'prompt'}; "
+            f"got {kind.get(type(body), 'a number')}"
+        )
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest(
