@@ -199,6 +199,25 @@ def test_auto_strategy_is_settled_by_the_chart_and_a_given_one_is_kept() -> None
         )
 
 
+@pytest.mark.parametrize("method", ["prefix_tuning", "prompt_tuning"])
+def test_what_the_planner_settles_is_a_spec_the_spec_accepts(method: str) -> None:
+    """The planner wrote its settled values without validating them: for a method that
+    cannot shard, the chart's step up to ZeRO-3 gave a stored spec the spec itself refuses
+    (and the controller could not read). Such a method stays on DDP, and the job that does
+    not fit there is refused at creation, saying so."""
+    gpus = {"resources": {"num_workers": 8, "gpus_per_worker": 1}}
+    with pytest.raises(InvalidRequest, match=r"ddp: .* does not fit") as refused:
+        resolve_spec(
+            LLAMA2_7B_CONFIG, _spec(method=method, **gpus), device_bytes=24 * GiB, host_bytes=0
+        )
+    assert refused.value.code == "does_not_fit"
+    spec, plan = resolve_spec(
+        LLAMA2_7B_CONFIG, _spec(method=method, **gpus), device_bytes=80 * GiB, host_bytes=0
+    )
+    assert spec.tunefleet.strategy == "ddp" and plan["input"]["strategy"] == "ddp"
+    assert JobSpec.model_validate(spec.model_dump(mode="json")) == spec
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [

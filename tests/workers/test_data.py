@@ -119,6 +119,58 @@ def test_chat_leading_assistant_turn_trains_only_its_content(tokenizer: Any) -> 
     assert trained_text(tokenizer, ex) == [f"hi{END}\n", f"red{END}\n"]
 
 
+class CountingTokenizer:
+    """The tokenizer, counting its chat-template renders; ``strip`` makes its template
+    change contents (strip them), as some templates do."""
+
+    def __init__(self, tokenizer: Any, strip: bool = False) -> None:
+        self.tokenizer, self.strip, self.renders = tokenizer, strip, 0
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **kwargs: Any) -> Any:
+        self.renders += 1
+        if self.strip:
+            messages = [{**m, "content": m["content"].strip()} for m in messages]
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer(*args, **kwargs)
+
+
+def test_a_long_conversation_renders_the_template_a_fixed_number_of_times(
+    tokenizer: Any,
+) -> None:
+    """Labelling rendered the conversation once per assistant turn (quadratic: one line of
+    50,000 turns stalled the controller for every tenant); now the renders do not grow
+    with the turns, and the labels are those of the turn-by-turn reading."""
+    turns = [
+        m
+        for i in range(2000)
+        for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"})
+    ]
+    counting = CountingTokenizer(tokenizer)
+    ex = tokenize_example(counting, {"messages": turns})
+    assert counting.renders <= 3
+    assert trained_text(tokenizer, ex) == [f"a{i}{END}\n" for i in range(2000)]
+
+    for messages in (CONVERSATION, [{"role": "assistant", "content": "hi"}, *CONVERSATION[1:]]):
+        fast = tokenize_example(tokenizer, {"messages": messages})
+        per_turn = tokenize_example(
+            CountingTokenizer(tokenizer, strip=True), {"messages": messages}
+        )
+        assert fast == per_turn  # (contents here have nothing to strip)
+
+
+def test_a_template_that_changes_contents_is_labelled_turn_by_turn_up_to_a_limit(
+    tokenizer: Any,
+) -> None:
+    padded = [{"role": "user", "content": " q "}, {"role": "assistant", "content": " blue "}]
+    ex = tokenize_example(CountingTokenizer(tokenizer, strip=True), {"messages": padded})
+    assert trained_text(tokenizer, ex) == [f"blue{END}\n"]
+    many = padded * 65
+    with pytest.raises(ValueError, match=r"65 trained assistant turns.*split it into shorter"):
+        tokenize_example(CountingTokenizer(tokenizer, strip=True), {"messages": many})
+
+
 @pytest.mark.parametrize(
     ("obj", "user"),
     [

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import orjson
+from pydantic import ValidationError
 
 from tunefleet.platform.errors import InvalidRequest
 from tunefleet.platform.spec import JobSpec, TuneFleetOptions
@@ -437,6 +438,10 @@ def plan_input_from_spec(spec: JobSpec) -> PlanInput:
     )
 
 
+# Methods that train only virtual tokens outside the decoder layers FSDP shards: DDP only
+# (the spec refuses ZeRO strategies for them).
+UNSHARDABLE_METHODS = ("prefix_tuning", "prompt_tuning")
+
 # Resolved options and plans by everything they depend on: most jobs repeat a few
 # configurations, and job creation (the API's hottest write) plans every job.
 _RESOLVED: dict[tuple[Any, ...], tuple[TuneFleetOptions, dict[str, Any]]] = {}
@@ -465,6 +470,7 @@ def resolve_spec(
         if len(_RESOLVED) >= _RESOLVED_MAX:
             _RESOLVED.clear()
         _RESOLVED[key] = hit
+    # hit[0] was validated by _resolve_spec: copying it in keeps the spec valid
     return spec.model_copy(update={"tunefleet": hit[0]}), hit[1]
 
 
@@ -472,10 +478,13 @@ def _resolve_spec(
     config: dict[str, Any], spec: JobSpec, *, device_bytes: float, host_bytes: float
 ) -> tuple[JobSpec, dict[str, Any]]:
     opts = spec.tunefleet
+    strategy: Strategy | None = None if opts.strategy == "auto" else opts.strategy
+    if strategy is None and opts.method in UNSHARDABLE_METHODS:
+        strategy = "ddp"  # the chart may not step up to ZeRO for these
     advice = advise(
         ModelShape.from_config(config), plan_input_from_spec(spec), device_bytes,
         global_batch=spec.hyperparameters.batch_size, host_bytes=host_bytes,
-        strategy=None if opts.strategy == "auto" else opts.strategy,
+        strategy=strategy,
     )  # fmt: skip
     cpu_workers = opts.resources.gpus_per_worker == 0
     if not advice.fits or (advice.strategy == "zero3_offload" and cpu_workers):
@@ -492,18 +501,20 @@ def _resolve_spec(
         else (opts.gradient_checkpointing)
     )
     micro = opts.micro_batch_size or advice.per_device_batch
-    resolved = spec.model_copy(
-        update={
-            "tunefleet": opts.model_copy(
-                update={
-                    "gradient_checkpointing": ckpt,
-                    "micro_batch_size": micro,
-                    "probe_micro_batch": opts.micro_batch_size is None,
-                    "strategy": advice.strategy,
-                }
-            )
-        }
-    )
+    settled = {
+        "gradient_checkpointing": ckpt,
+        "micro_batch_size": micro,
+        "probe_micro_batch": opts.micro_batch_size is None,
+        "strategy": advice.strategy,
+    }
+    try:  # validated, not model_copy'd: what is stored is what the spec accepts
+        resolved = JobSpec.model_validate(
+            {**spec.model_dump(), "tunefleet": {**opts.model_dump(), **settled}}
+        )
+    except ValidationError as exc:
+        raise RuntimeError(
+            f"the planner settled {settled}, which the job spec refuses: {exc}"
+        ) from exc
     return resolved, plan_for_spec(
         config, resolved, device_bytes=device_bytes, host_bytes=host_bytes
     )

@@ -38,18 +38,90 @@ class TokenizedDataset:
         return sum(len(e.input_ids) for e in self.examples)
 
 
-def _chat_example(tokenizer: Any, messages: list[dict[str, Any]]) -> Example:
-    """Render with the chat template; label each trained assistant turn's span.
+def _marker(i: int) -> str:
+    return f"\x00tunefleet-{i}\x00"
 
-    The span of assistant message i is the text between the render of messages[:i] with a
-    generation prompt and the render of messages[:i+1]: its content and end-of-turn marker.
+
+def _chat_example(tokenizer: Any, messages: list[dict[str, Any]]) -> Example:
+    """Render with the chat template; label each trained assistant turn's span: its content
+    and the end-of-turn text the template writes after an assistant message.
+
+    The template is rendered a fixed number of times whatever the number of turns (once
+    with every content replaced by a marker, to find where each content goes, and once
+    with the contents), and the labels are one pass over the tokens: the cost is linear in
+    the conversation. A template that changes contents (so that the contents put back in
+    place of the markers do not give its render) is labelled turn by turn, as before, for
+    conversations of up to ``_PER_TURN_LIMIT`` trained turns.
     """
     clean = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
     full = tokenizer.apply_chat_template(clean, tokenize=False)
-    spans: list[tuple[int, int]] = []
-    for i, msg in enumerate(messages):
-        if msg["role"] != "assistant" or msg.get("weight", 1) == 0:
-            continue
+    trained = [
+        i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight", 1) != 0
+    ]
+    spans = _spans_by_markers(tokenizer, clean, full, trained)
+    if spans is None:
+        spans = _spans_turn_by_turn(tokenizer, clean, trained)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    labels = []
+    k = 0  # spans are in order, and so are the tokens' offsets
+    for tok, (a, _b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
+        while k < len(spans) and spans[k][1] <= a:
+            k += 1
+        labels.append(tok if k < len(spans) and spans[k][0] <= a else IGNORE)
+    return Example(list(enc["input_ids"]), labels)
+
+
+def _spans_by_markers(
+    tokenizer: Any, clean: list[dict[str, str]], full: str, trained: list[int]
+) -> list[tuple[int, int]] | None:
+    """Each trained turn's (start, end) in ``full``, from one render with markers for the
+    contents; None when the template does not keep contents as they are."""
+    marked = [{**m, "content": _marker(i)} for i, m in enumerate(clean)]
+    skeleton = tokenizer.apply_chat_template(marked, tokenize=False)
+    # what the template writes after an assistant's content (ChatML: "<|im_end|>\n")
+    pair = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _marker(0)}]
+    after = tokenizer.apply_chat_template(pair, tokenize=False).split(_marker(0))[-1]
+    pieces, starts, at, pos = [], [], 0, 0
+    for i, m in enumerate(clean):
+        found = skeleton.find(_marker(i), at)
+        if found < 0:
+            return None
+        pieces.append(skeleton[at:found])
+        pos += found - at
+        starts.append(pos)
+        pieces.append(m["content"])
+        pos += len(m["content"])
+        at = found + len(_marker(i))
+    pieces.append(skeleton[at:])
+    if "".join(pieces) != full:
+        return None
+    spans = []
+    for i in trained:
+        end = starts[i] + len(clean[i]["content"])
+        if after and full.startswith(after, end):
+            end += len(after)
+        spans.append((starts[i], end))
+    return spans
+
+
+# Above this many trained turns, a template that changes contents is refused rather than
+# labelled turn by turn (each turn renders the conversation up to it).
+_PER_TURN_LIMIT = 64
+
+
+def _spans_turn_by_turn(
+    tokenizer: Any, clean: list[dict[str, str]], trained: list[int]
+) -> list[tuple[int, int]]:
+    """The span of assistant message i is the text between the render of messages[:i] with
+    a generation prompt and the render of messages[:i+1]."""
+    if len(trained) > _PER_TURN_LIMIT:
+        raise ValueError(
+            f"a conversation with {len(trained)} trained assistant turns, with a chat "
+            f"template that changes message contents, is over the {_PER_TURN_LIMIT} turns "
+            "TuneFleet labels turn by turn; split it into shorter conversations"
+        )
+    spans = []
+    for i in trained:
         if i:
             prefix = tokenizer.apply_chat_template(
                 clean[:i], tokenize=False, add_generation_prompt=True
@@ -61,12 +133,7 @@ def _chat_example(tokenizer: Any, messages: list[dict[str, Any]]) -> Example:
             start = tokenizer.apply_chat_template(alone, tokenize=False).rfind(_PLACEHOLDER)
         end = len(tokenizer.apply_chat_template(clean[: i + 1], tokenize=False))
         spans.append((start, end))
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    labels = [
-        tok if any(s <= a < e for s, e in spans) else IGNORE
-        for tok, (a, _b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
-    ]
-    return Example(list(enc["input_ids"]), labels)
+    return spans
 
 
 def _prompt_completion(tokenizer: Any, prompt: str, completion: str) -> Example:
