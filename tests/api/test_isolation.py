@@ -83,3 +83,30 @@ def test_tenant_a_still_has_everything(
     assert a_objects["model"] in [m["id"] for m in listed_a]
     assert app_client.get("/v1/files", headers=H(key_b)).json()["data"] == []
     assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_b)).json()["data"] == []
+
+
+def test_an_events_cursor_from_another_job_is_a_404(
+    app_client: TestClient, key_a: str, key_b: str, a_objects: dict[str, Any]
+) -> None:
+    """The ``after`` cursor was looked up among every job's events: tenant B could page its
+    own job's events from tenant A's event ids (and learn which ids exist)."""
+    a_events = app_client.get(
+        f"/v1/fine_tuning/jobs/{a_objects['job']}/events", headers=H(key_a)
+    ).json()["data"]
+    own = upload_chat(app_client, key_b, "b.jsonl")["id"]
+    b_job = app_client.post(
+        "/v1/fine_tuning/jobs",
+        headers=H(key_b),
+        json={"model": "tiny-llama", "training_file": own},
+    ).json()["id"]
+    resp = app_client.get(
+        f"/v1/fine_tuning/jobs/{b_job}/events?after={a_events[0]['id']}", headers=H(key_b)
+    )
+    assert resp.status_code == 404, resp.text
+    assert resp.json()["error"]["param"] == "after"
+    # the job's own events page as before
+    own_events = app_client.get(f"/v1/fine_tuning/jobs/{b_job}/events", headers=H(key_b)).json()
+    cursor = own_events["data"][0]["id"]
+    page = app_client.get(f"/v1/fine_tuning/jobs/{b_job}/events?after={cursor}", headers=H(key_b))
+    assert page.status_code == 200
+    assert [e["id"] for e in page.json()["data"]] == [e["id"] for e in own_events["data"][1:]]

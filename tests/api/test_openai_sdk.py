@@ -66,6 +66,10 @@ def test_sdk_covers_the_fine_tuning_api(sdk: OpenAI) -> None:
     assert cancelled.status == "cancelled"
     with pytest.raises(openai.NotFoundError):
         sdk.fine_tuning.jobs.retrieve("ftjob-missing")
+    with pytest.raises(openai.ConflictError, match="used by unfinished job"):
+        sdk.files.delete(f.id)  # the other jobs still need it
+    for other in (jobs[0], jobs[2]):
+        sdk.fine_tuning.jobs.cancel(other.id)
     assert sdk.files.delete(f.id).deleted
 
 

@@ -336,3 +336,31 @@ def test_a_job_is_stored_in_one_statement_on_postgresql(
     with session_scope(url) as s:
         assert s.scalar(select(func.count()).select_from(Job)) == 2
         assert s.scalar(select(func.count()).select_from(JobEvent)) == 2
+
+
+def test_a_file_an_unfinished_job_needs_cannot_be_deleted(
+    app_client: TestClient, key_a: str, settings: Settings
+) -> None:
+    """A file could be deleted under a queued job, which then failed at admission or when
+    its run started; now the delete is a 409 naming the job until the job ends."""
+    train = upload(app_client, key_a, json.dumps(CHAT).encode())
+    valid = upload(app_client, key_a, json.dumps(CHAT).encode())
+    job = app_client.post(
+        "/v1/fine_tuning/jobs",
+        headers=H(key_a),
+        json={"model": TINY, "training_file": train["id"], "validation_file": valid["id"]},
+    ).json()
+    for f in (train, valid):
+        resp = app_client.delete(f"/v1/files/{f['id']}", headers=H(key_a))
+        assert resp.status_code == 409, resp.text
+        err = resp.json()["error"]
+        assert err["code"] == "file_in_use" and job["id"] in err["message"]
+        assert app_client.get(f"/v1/files/{f['id']}/content", headers=H(key_a)).status_code == 200
+    assert (
+        app_client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel", headers=H(key_a)).status_code
+        == 200
+    )
+    for f in (train, valid):
+        resp = app_client.delete(f"/v1/files/{f['id']}", headers=H(key_a))
+        assert resp.status_code == 200 and resp.json()["deleted"] is True
+        assert app_client.get(f"/v1/files/{f['id']}", headers=H(key_a)).status_code == 404

@@ -418,7 +418,9 @@ def list_events(
     if type:
         query = query.where(JobEvent.type == type)
     if after:
-        anchor = session.scalar(select(JobEvent.seq).where(JobEvent.id == after))
+        anchor = session.scalar(
+            select(JobEvent.seq).where(JobEvent.id == after, JobEvent.job_id == job_id)
+        )
         if anchor is None:
             raise NotFound(f"no event with id {after!r} for job {job_id}", param="after")
         query = query.where(JobEvent.seq < anchor)

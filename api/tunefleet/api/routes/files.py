@@ -8,13 +8,14 @@ from typing import Annotated, Any
 import anyio.to_thread
 from fastapi import APIRouter, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
-from sqlalchemy import select
+from sqlalchemy import delete, exists, or_, select
 
 from tunefleet.api.deps import PrincipalDep, SessionDep, SettingsDep, StoreDep
 from tunefleet.platform.datasets import raise_for_report, validate_file
-from tunefleet.platform.db import File, now_s
-from tunefleet.platform.errors import InvalidRequest, NotFound, PayloadTooLarge
+from tunefleet.platform.db import File, Job, now_s
+from tunefleet.platform.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from tunefleet.platform.ids import new_id
+from tunefleet.platform.status import TERMINAL
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 PURPOSES = {"fine-tune"}
@@ -123,8 +124,34 @@ def file_content(
 async def delete_file(
     file_id: str, session: SessionDep, principal: PrincipalDep, store: StoreDep
 ) -> dict[str, Any]:
-    f = _get(session, principal, file_id)
-    session.delete(f)
+    """Delete a file no unfinished job needs (one statement: a job created meanwhile either
+    sees the file gone or keeps it); 409 naming the jobs that still need it."""
+    path = _get(session, principal, file_id).path
+    files, jobs = File.__table__.c, Job.__table__.c
+    needs_it = (
+        select(jobs.id)
+        .where(
+            jobs.tenant_id == principal.tenant_id,
+            or_(jobs.training_file == file_id, jobs.validation_file == file_id),
+            jobs.status.not_in([s.value for s in TERMINAL]),
+        )
+        .order_by(jobs.created_ns)
+    )
+    result = session.execute(
+        delete(File)
+        .where(files.id == file_id, files.tenant_id == principal.tenant_id, ~exists(needs_it))
+        .execution_options(synchronize_session=False)
+    )
+    deleted = getattr(result, "rowcount", 0)
+    if not deleted:
+        waiting = list(session.scalars(needs_it.limit(5)))
+        session.rollback()
+        raise Conflict(
+            f"file {file_id} is used by unfinished job(s) {', '.join(waiting)}; delete it once "
+            "they end, or cancel them first",
+            param="file_id",
+            code="file_in_use",
+        )
     session.commit()
-    store.delete(f.path)
+    store.delete(path)
     return {"id": file_id, "object": "file", "deleted": True}
