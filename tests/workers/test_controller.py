@@ -281,3 +281,56 @@ def test_a_model_server_that_will_not_start_troubles_its_job_alone(settings: Set
     assert "out of memory" in said[0].message
     assert twin.deployed == ["tiny-llama"]  # not again on every pass
     assert store.exists(store.adapter_key(done))
+
+
+class LoggingTwin(TwinBackend):
+    """Answers a failed run as Ray does: its message carries the run's last log lines."""
+
+    LOGS = 'Traceback (most recent call last):\n  File "/srv/secret/train.py"\nAWS_SECRET=abc'
+
+    def run_status(self, sid: str) -> RunInfo:
+        info = super().run_status(sid)
+        if info.status != "FAILED":
+            return info
+        return RunInfo(
+            "FAILED",
+            "Job entrypoint command failed with exit code 1, last available logs "
+            f"(truncated to 20,000 chars):\n{self.LOGS}",
+        )
+
+    def run_logs_tail(self, sid: str, lines: int = 20) -> str:
+        return self.LOGS
+
+
+def test_ray_log_lines_never_reach_the_tenant(settings: Settings) -> None:
+    """A run that failed without recording why put Ray's log tail (paths, environment,
+    secrets a library printed) into the tenant's retry events and job error; they say what
+    Ray says less the logs, and where the operator reads them."""
+    twin = LoggingTwin()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    url = settings.resolved_database_url
+    job_id = _job(settings)
+    ctl.tick()
+    for attempt in (1, 2, 3):
+        twin.status[f"{job_id}-{attempt}"] = "FAILED"
+        ctl.tick()
+        with session_scope(url) as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            job.not_before = 0
+        ctl.tick()
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "failed" and job.error is not None
+        events, _ = list_events(s, job_id, limit=100)
+    said = [
+        job.error["message"],
+        *(e.message for e in events),
+        *(json.dumps(e.data) for e in events),
+    ]
+    assert not any("AWS_SECRET" in m or "/srv/secret" in m for m in said), said
+    assert job.error["message"] == (
+        f"Job entrypoint command failed with exit code 1 (Ray job {job_id}-3; its logs are "
+        "in Ray's job logs)"
+    )
+    assert sum("failed (Job entrypoint command failed with exit code 1)" in m for m in said) == 2

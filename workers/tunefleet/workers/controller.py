@@ -395,7 +395,7 @@ class Controller:
                 elif info.status == SUCCEEDED:
                     self._succeed(job_id)
                 elif info.status in (FAILED, STOPPED):
-                    self._run_failed(job_id, sid, info.message)
+                    self._run_failed(job_id, sid, ray_reason(info.message))
                 else:
                     failpoint("follow.running")
 
@@ -527,9 +527,14 @@ class Controller:
             error: dict[str, Any]
             if recorded and "error" in recorded:
                 error = dict(recorded["error"])
-            else:
+            else:  # the run said nothing: its log lines are the operator's, not the tenant's
                 tail = self.backend.run_logs_tail(sid) if sid else ""
-                error = {"code": "training_failed", "message": (message + "\n" + tail).strip()}
+                if tail:
+                    log.warning(
+                        "run %s of job %s failed; its last log lines:\n%s", sid, job_id, tail
+                    )
+                where = f" (Ray job {sid}; its logs are in Ray's job logs)" if sid else ""
+                error = {"code": "training_failed", "message": f"{message}{where}"}
             error.setdefault("param", None)
             transition(
                 s,
@@ -593,6 +598,15 @@ class Controller:
                     self.ensure_served(base)
                 except RuntimeError as exc:  # its jobs' adapters wait; other bases go on
                     log.warning("%s", exc)
+
+
+def ray_reason(message: str) -> str:
+    """What Ray says about a failed run, less the log lines it appends (the run's output:
+    paths, environment, other libraries' messages), which are the operator's to read in
+    Ray's job logs, not something to show a tenant."""
+    reason = message.split("last available logs", 1)[0].strip().rstrip(",").strip()
+    reason = reason.splitlines()[0] if reason else ""
+    return reason[:300] or "the run ended without a message"
 
 
 def _stored_resources(job: Job) -> Any:
