@@ -387,6 +387,59 @@ def _run_over(stack: dict[str, Any], submission_id: str, timeout: float = 120) -
         time.sleep(0.3)
 
 
+def test_a_bad_request_to_serving_fails_alone(
+    stack: dict[str, Any], acme_job: dict[str, Any]
+) -> None:
+    """Requests that cost a replica more than it gives, or that raised after their first
+    rows were in the batch (a seed past 2**64, an empty prompt among others), are a 400
+    naming the parameter before any row starts; good requests sent alongside answer as
+    ever, and no bad request leaves the adapter held (it unloads at once afterwards)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client, job = acme_job["client"], acme_job["job"]
+    model = job["fine_tuned_model"]
+    good = {
+        "model": model,
+        "temperature": 0,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "what is a banana"}],
+    }
+    long = [{"role": "user", "content": "word " * 600}]  # past the tiny model's 512
+    bad = [
+        ("/v1/chat/completions", {**good, "seed": 2**70}, "seed", "invalid_request"),
+        ("/v1/completions", {"model": model, "prompt": ["hi", ""]}, "prompt", "empty_prompt"),
+        ("/v1/chat/completions", {**good, "messages": long}, "messages", "context_length_exceeded"),
+        (
+            "/v1/chat/completions",
+            {**good, "max_tokens": 4000},
+            "messages",
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/completions",
+            {"model": model, "prompt": ["hi"] * 5, "n": 16},
+            "n",
+            "too_many_choices",
+        ),
+        ("/v1/chat/completions", {**good, "stop": list("abcde")}, "stop", "invalid_request"),
+    ]
+    calls = [("/v1/chat/completions", good), *((path, body) for path, body, _, _ in bad)]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        answers = list(pool.map(lambda call: client.post(call[0], json=call[1]), calls))
+    assert answers[0].status_code == 200, answers[0].text
+    assert answers[0].json()["choices"][0]["message"]["content"].strip() == ANSWER
+    for (_, _, param, code), resp in zip(bad, answers[1:], strict=True):
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert (err["param"], err["code"]) == (param, code), err
+    assert "maximum context length is 512 tokens" in answers[3].json()["error"]["message"]
+    unloaded = httpx.delete(f"{stack['serve']}/models/{TINY}/v1/adapters/{job['id']}", timeout=30)
+    assert unloaded.status_code == 200, unloaded.text  # held by nothing
+    again = client.post("/v1/chat/completions", json=good)  # and loads again on demand
+    assert again.status_code == 200
+    assert again.json()["choices"][0]["message"]["content"].strip() == ANSWER
+
+
 def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_cancel_stops(
     stack: dict[str, Any], acme_job: dict[str, Any]
 ) -> None:

@@ -334,3 +334,59 @@ def test_ray_log_lines_never_reach_the_tenant(settings: Settings) -> None:
         "in Ray's job logs)"
     )
     assert sum("failed (Job entrypoint command failed with exit code 1)" in m for m in said) == 2
+
+
+class StopRecordingTwin(TwinBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopped: list[str] = []
+
+    def stop_run(self, sid: str) -> None:
+        self.stopped.append(sid)
+        super().stop_run(sid)
+
+
+def test_pause_resume_races_never_run_two_runs_of_a_job_at_once(settings: Settings) -> None:
+    """A pause and resume faster than the run saw the pause (the controller stops a paused
+    run only after a grace period) started a second run beside the first, both writing one
+    checkpoint folder. Now the next run starts only once the previous one has left (it does
+    at its next step: the job is no longer running), and one stuck past the grace is
+    stopped."""
+    twin = StopRecordingTwin()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    url = settings.resolved_database_url
+    job_id = _job(settings)
+    ctl.tick()
+    first = f"{job_id}-1"
+    assert twin.submitted == [first]
+
+    def pause_and_resume() -> None:  # as the API does
+        with session_scope(url) as s:
+            transition(s, job_id, [JobStatus.QUEUED, JobStatus.RUNNING], JobStatus.PAUSED, "p")
+        with session_scope(url) as s:
+            transition(s, job_id, JobStatus.PAUSED, JobStatus.QUEUED, "r")
+
+    for _ in range(3):  # pause -> resume -> pause -> resume ..., each pass in between
+        pause_and_resume()
+        ctl.tick()
+        assert twin.submitted == [first]  # the first still runs: no second one
+        with session_scope(url) as s:
+            job = s.get(Job, job_id)
+            assert job is not None and job.status == "queued"
+            messages = [e.message for e in list_events(s, job_id, limit=100)[0]]
+        waiting = f"its previous run (Ray job {first}) is checkpointing and stopping"
+        assert sum(waiting in m for m in messages) == 1  # said once
+    assert twin.stopped == []  # within the grace: it leaves by itself
+
+    with session_scope(url) as s:  # past the grace: stopped
+        job = s.get(Job, job_id)
+        assert job is not None
+        job.updated_at -= 1000
+    ctl.tick()
+    assert twin.stopped == [first] and twin.submitted == [first]
+    ctl.tick()  # it has stopped: the next run starts
+    assert twin.submitted == [first, f"{job_id}-2"]
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "running"
+        assert job.ray_submission_id == f"{job_id}-2"

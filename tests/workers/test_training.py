@@ -26,7 +26,7 @@ from sqlalchemy import select
 
 from conftest import add_chat_file
 from tunefleet.platform.artifacts import ArtifactStore
-from tunefleet.platform.db import JobEvent, session_scope
+from tunefleet.platform.db import Job, JobEvent, session_scope
 from tunefleet.platform.db.migrate import upgrade
 from tunefleet.platform.jobs import JobCreateRequest, create_job
 from tunefleet.platform.models import ModelRegistry
@@ -118,7 +118,9 @@ def _events(env: dict[str, Any], job_id: str) -> list[JobEvent]:
         )
 
 
-def _run_side_by_side(job_ids: list[str]) -> dict[str, BaseException | None]:
+def _run_side_by_side(
+    job_ids: list[str], run_ids: dict[str, str] | None = None
+) -> dict[str, BaseException | None]:
     """Run jobs through the real driver side by side, each as its own Ray Train run; returns
     each job's error (None: it ran). A run spends most of its time starting processes and
     waiting on Ray, so four at once on the shared cluster's 4 CPUs take far less than four
@@ -127,7 +129,7 @@ def _run_side_by_side(job_ids: list[str]) -> dict[str, BaseException | None]:
 
     def one(job_id: str) -> BaseException | None:
         try:
-            run(job_id)
+            run(job_id, (run_ids or {}).get(job_id))
         except BaseException as exc:
             return exc
         return None
@@ -158,7 +160,16 @@ def runs(ray_env: dict[str, Any]) -> dict[str, tuple[str, BaseException | None]]
     too_small = PlanDevice(memory_bytes=2.5 * 2**20, host_bytes=2**30)
     jobs["probed-too-small"] = _planned_job(ray_env, too_small)
     jobs["validated"] = _validated_job(ray_env)
-    errors = _run_side_by_side(list(jobs.values()))
+    # a run that is no longer its job's current one (the job was paused and resumed
+    # before it looked, and another run started): it checkpoints and leaves
+    jobs["superseded"] = _job(ray_env, 4, 20, {"method": "lora"})
+    with session_scope(ray_env["url"]) as s:
+        job = s.get(Job, jobs["superseded"])
+        assert job is not None
+        job.status, job.ray_submission_id = "running", f"{job.id}-2"
+    errors = _run_side_by_side(
+        list(jobs.values()), run_ids={jobs["superseded"]: f"{jobs['superseded']}-1"}
+    )
     return {name: (job_id, errors[job_id]) for name, job_id in jobs.items()}
 
 
@@ -440,6 +451,21 @@ def test_a_validation_file_is_scored_at_checkpoints(
         assert 0 <= metrics["full_valid_mean_token_accuracy"] <= 1
     # the validation examples are the training examples' kind: their loss falls too
     assert scored[4]["full_valid_loss"] < scored[2]["full_valid_loss"]
+
+
+def test_a_superseded_run_checkpoints_and_leaves(
+    ray_env: dict[str, Any], runs: dict[str, Any]
+) -> None:
+    """One run per job: a run whose job has another current run stops at its first step
+    check, with a checkpoint the current run restores, and leaves no adapter."""
+    job_id, error = runs["superseded"]
+    assert error is None, error
+    events = _events(ray_env, job_id)
+    steps = [e.data["step"] for e in events if e.type == "metrics"]
+    assert steps == [1], steps  # 8 steps were asked for
+    assert any(e.message.startswith("Checkpoint saved at step 1") for e in events)
+    store = ArtifactStore(get_settings().resolved_artifact_root)
+    assert not store.exists(store.adapter_key(job_id))
 
 
 def test_a_compiled_model_trains(ray_env: dict[str, Any], runs: dict[str, Any]) -> None:

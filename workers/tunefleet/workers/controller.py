@@ -255,6 +255,8 @@ class Controller:
                 job = jobs[decision.job_id]
                 with moved_on(job.id):
                     if isinstance(decision, Dispatch):
+                        if self._previous_run_active(s, job):
+                            continue
                         started.append((job.id, self._start(s, job, decision)))
                     elif isinstance(decision, Wait):
                         self._note_queue_position(s, job.id, decision.position, decision.reason)
@@ -323,6 +325,23 @@ class Controller:
             ],
         )
 
+    def _previous_run_active(self, s: Session, job: Job) -> bool:
+        """Whether the job's previous run still runs (a pause then resume faster than the
+        run saw the pause): one run per job at a time, so the next starts once it has
+        checkpointed and left, which it does at its next step since the job is no longer
+        running; past ``PAUSE_GRACE_S`` it is stopped."""
+        previous = job.ray_submission_id
+        if previous is None:
+            return False
+        if self.backend.run_status(previous).status in TERMINAL_RAY | {NOT_FOUND}:
+            return False
+        if now_s() - job.updated_at > PAUSE_GRACE_S:
+            self.backend.stop_run(previous)
+        self._note_queue_position(
+            s, job.id, 1, f"its previous run (Ray job {previous}) is checkpointing and stopping"
+        )
+        return True
+
     @staticmethod
     def _start(s: Session, job: Job, decision: Dispatch) -> str:
         sid = f"{job.id}-{job.attempt + 1}"
@@ -366,6 +385,7 @@ class Controller:
             "TUNEFLEET_DATABASE_URL": self.db_url,
             "TUNEFLEET_ARTIFACT_ROOT": str(self.store.root),
             "TUNEFLEET_MODEL_REGISTRY": str(self.registry.root),
+            "TUNEFLEET_RUN_ID": sid,
         }
         try:
             self.backend.submit_run(sid, job_id, env)

@@ -21,11 +21,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from transformers import AutoTokenizer
 
@@ -84,15 +84,29 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Bounds on what one request may cost a replica (every other tenant's rows share its batch).
+MAX_ROWS_PER_REQUEST = 64  # prompts x n
+MAX_MESSAGES = 2048
+MAX_STOP = 4  # as OpenAI
+MAX_STOP_CHARS = 256
+
+
 class _GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=4096)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=16)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    # torch seeds a generator with a 64-bit integer; each of n choices adds its index
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: (
+        Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+        | Annotated[
+            list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP)
+        ]
+        | None
+    ) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -109,12 +123,15 @@ class _GenerationRequest(BaseModel):
 
 
 class ChatRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=4096)
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str]
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_ROWS_PER_REQUEST)]
+
+
+_Req = TypeVar("_Req", bound=BaseModel)
 
 
 # Module-level helpers the deployment uses sit above it: Serve's class-based ingress
@@ -141,6 +158,20 @@ def _error(status: int, message: str, code: str, param: str | None = "model") ->
             }
         },
     )
+
+
+async def _parse(model: type[_Req], request: Request) -> _Req | JSONResponse:
+    """The request body as ``model``, or the 400 that names what is wrong with it."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": ()}
+        param = ".".join(str(p) for p in first.get("loc", ()) if not isinstance(p, int)) or None
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors[:5]
+        )
+        return _error(400, f"invalid request: {detail}", "invalid_request", param=param)
 
 
 def _sink(loop: asyncio.AbstractEventLoop, out: "asyncio.Queue[Any]", index: int) -> Any:
@@ -181,11 +212,10 @@ class _Run:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         streams = [TextStream(self.server.tokenizer, s, len(p)) for p, s in self.jobs]
         finished: list[Finished | None] = [None] * len(self.jobs)
-        rows = [
-            self.engine.submit(p, s, self.slot, _sink(loop, queue, i))
-            for i, (p, s) in enumerate(self.jobs)
-        ]
-        try:
+        rows = []
+        try:  # rows submitted before a failing one are cancelled, the adapter released
+            for i, (p, s) in enumerate(self.jobs):
+                rows.append(self.engine.submit(p, s, self.slot, _sink(loop, queue, i)))
             while any(f is None for f in finished):
                 i, token, finish = await queue.get()
                 if finished[i] is not None:
@@ -253,6 +283,8 @@ class LoraServer:
             on_evict=lambda a: self.m_evictions.inc(tags={"adapter": a}),
         )
         self.eos = eos_ids(base, self.tokenizer)
+        # prompt plus completion, in tokens: the positions the base was trained for
+        self.context = int(getattr(base.config, "max_position_embeddings", 2048))
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else next(iter(self.eos), 0)
         self.engine = self._engine(self.lora)
@@ -360,25 +392,75 @@ class LoraServer:
     # -- OpenAI endpoints ----------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Any:
-        req = ChatRequest.model_validate(await request.json())
+        req = await _parse(ChatRequest, request)
+        if isinstance(req, JSONResponse):
+            return req
         messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
         ids: Any = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=True
         )
         prompts = [list(ids["input_ids"])]
-        max_new = req.max_completion_tokens or req.max_tokens or 256
-        return await self._respond(req, prompts, max_new, chat=True)
+        asked = req.max_completion_tokens or req.max_tokens
+        return await self._respond(req, prompts, asked, 256, chat=True)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
-        req = CompletionRequest.model_validate(await request.json())
+        req = await _parse(CompletionRequest, request)
+        if isinstance(req, JSONResponse):
+            return req
         texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         prompts = [list(self.tokenizer(t)["input_ids"]) for t in texts]
-        return await self._respond(req, prompts, req.max_tokens or 16, chat=False)
+        return await self._respond(req, prompts, req.max_tokens, 16, chat=False)
+
+    def _refusal(
+        self, req: _GenerationRequest, prompts: list[list[int]], asked: int | None, chat: bool
+    ) -> JSONResponse | None:
+        """The 400 for a request this replica must not start (before any row is submitted,
+        so nothing of it reaches the shared batch): too many rows, an empty prompt, or a
+        prompt plus the asked completion over the model's context."""
+        param = "messages" if chat else "prompt"
+        if len(prompts) * req.n > MAX_ROWS_PER_REQUEST:
+            return _error(
+                400,
+                f"{len(prompts)} prompt(s) x n={req.n} is {len(prompts) * req.n} choices; at "
+                f"most {MAX_ROWS_PER_REQUEST} per request",
+                "too_many_choices",
+                param="n",
+            )
+        context = self.context
+        for i, p in enumerate(prompts):
+            where = "" if len(prompts) == 1 else f" {i}"
+            if not p:
+                return _error(
+                    400, f"prompt{where} is empty: give it some text", "empty_prompt", param=param
+                )
+            if len(p) + (asked or 1) > context:
+                return _error(
+                    400,
+                    f"This model's maximum context length is {context} tokens. However, you "
+                    f"requested {len(p) + (asked or 1)} tokens ({len(p)} in the {param}{where}, "
+                    f"{asked or 1} in the completion). Please reduce the length of the "
+                    f"{param} or completion.",
+                    "context_length_exceeded",
+                    param=param,
+                )
+        return None
 
     async def _respond(
-        self, req: _GenerationRequest, prompts: list[list[int]], max_new: int, *, chat: bool
+        self,
+        req: _GenerationRequest,
+        prompts: list[list[int]],
+        asked: int | None,
+        default: int,
+        *,
+        chat: bool,
     ) -> Any:
+        """``asked`` tokens at most (None: ``default``, within what the context leaves)."""
+        refusal = self._refusal(req, prompts, asked, chat)
+        if refusal is not None:
+            return refusal
+        room = self.context - max(len(p) for p in prompts)
+        max_new = asked or min(default, room)
         adapter_id = serve.get_multiplexed_model_id()
         slot = 0
         merged = self.merged.get(adapter_id) if adapter_id else None

@@ -64,7 +64,9 @@ def train_fn(config: dict[str, Any]) -> None:
     train_loop_per_worker(config)
 
 
-def run(job_id: str) -> None:
+def run(job_id: str, run_id: str | None = None) -> None:
+    """Run the job's training; ``run_id`` is the Ray job id the controller submitted this
+    run under (``TUNEFLEET_RUN_ID``), None when the driver is called directly."""
     import psutil
 
     for name, value in RAY_TRAIN_DEFAULTS.items():
@@ -95,6 +97,9 @@ def run(job_id: str) -> None:
             else None,
             "checkpoints_key": store.checkpoints_key(job_id),
             "device_memory_bytes": device_bytes,
+            # which run of the job this is: a run that is no longer the job's current one
+            # (a pause and resume it did not see) checkpoints and leaves
+            "run_id": run_id,
             # where a run's start-up time goes (the loop reports it with its first event)
             "startup": {
                 "driver_process": psutil.Process().create_time(),
@@ -153,7 +158,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     job_id = sys.argv[1]
     try:
-        run(job_id)
+        run(job_id, os.environ.get("TUNEFLEET_RUN_ID"))
     except BaseException as exc:  # top of the process: record the failure on the job
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         with session_scope(get_settings().resolved_database_url) as s:

@@ -154,6 +154,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     entered = time.time()
     spec = JobSpec.model_validate(config["spec"])
     db_url: str = config["database_url"]
+    run_id: str | None = config.get("run_id")  # the Ray job id the controller gave this run
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     is_chief = rank == 0
@@ -358,14 +359,24 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             else:
                 ray.train.report({**metrics, "step": step, "final": final})
 
+    seen: dict[str, Any] = {}  # what the chief last read of the job (status, current run)
+
     def requested_stop() -> str | None:
         """'paused' or 'cancelled' when the platform asked this job to stop; rank 0 reads
         the database and every rank learns the answer, so all leave at the same step."""
         code = 0
         if is_chief:
             with session_scope(db_url) as s:
-                status = s.scalar(select(Job.status).where(Job.id == spec.job_id))
-            code = {"paused": 1, "cancelled": 2}.get(status or "", 0)
+                row = s.execute(
+                    select(Job.status, Job.ray_submission_id).where(Job.id == spec.job_id)
+                ).first()
+            status, current = row if row is not None else (None, None)
+            seen.update(status=status, current=current)
+            # queued: resumed before this run saw the pause; another current run: this one
+            # was superseded. Either way it checkpoints and leaves, as a paused run does.
+            code = {"paused": 1, "queued": 1, "cancelled": 2}.get(status or "", 0)
+            if code == 0 and run_id and current and current != run_id:
+                code = 1
         if dist.is_available() and dist.is_initialized() and world > 1:
             flag = torch.tensor([code], device=device)
             dist.broadcast(flag, src=0)
@@ -513,8 +524,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 if stop == "paused":
                     save_checkpoint(False, {"train_loss": last_loss, "stopped": stop})
                     if is_chief:
+                        message = f"Paused at step {step}"
+                        if seen.get("status") != "paused":  # resumed, or superseded
+                            message = (
+                                f"Run {run_id} checkpointed at step {step} and left: the job "
+                                f"is {seen.get('status')} with current run {seen.get('current')}"
+                            )
                         with session_scope(db_url) as s:
-                            record_message(s, spec.job_id, f"Paused at step {step}")
+                            record_message(s, spec.job_id, message)
                 return
             if every and step % every == 0 and step % steps_per_epoch and step < total_steps:
                 save_checkpoint(False, {"train_loss": last_loss})
