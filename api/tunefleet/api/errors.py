@@ -10,11 +10,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
 from tunefleet.platform.errors import TuneFleetError
 
 log = logging.getLogger(__name__)
+
+DATABASE_RETRY_AFTER_S = 2
 
 
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
@@ -46,6 +50,22 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _model_validation(_: Request, exc: ValidationError) -> JSONResponse:
         # a value the request carried, refused by a model the route builds from it
         return _invalid(exc.errors())
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(PoolTimeout)
+    async def _database(_: Request, exc: Exception) -> JSONResponse:
+        # the database is down, restarting, locked or out of connections: a retry helps
+        log.warning("database unavailable: %s", str(exc).splitlines()[0][:300])
+        return JSONResponse(
+            status_code=503,
+            content=error_body(
+                "the database is unavailable for the moment; retry shortly",
+                "server_error",
+                None,
+                "database_unavailable",
+            ),
+            headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+        )
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
