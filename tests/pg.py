@@ -84,3 +84,25 @@ def postgres_cluster() -> Iterator[str]:
             capture_output=True,
         )
         shutil.rmtree(base, ignore_errors=True)
+
+
+@contextmanager
+def database_away(server_url: str, db_url: str) -> Iterator[None]:
+    """The database of ``db_url`` unreachable for the block, as in an outage: its open
+    connections cut and new ones refused (the server itself keeps running)."""
+    from sqlalchemy import create_engine, text
+
+    name = db_url.rsplit("/", 1)[1]
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f"ALTER DATABASE {name} WITH ALLOW_CONNECTIONS false"))
+            conn.execute(
+                text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"),
+                {"n": name},
+            )
+        yield
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"ALTER DATABASE {name} WITH ALLOW_CONNECTIONS true"))
+        admin.dispose()

@@ -374,31 +374,13 @@ def test_a_database_outage_is_a_503_with_retry_after(
     the database is back."""
     if db_kind != "postgres":
         pytest.skip("SQLite's outage is a lock held past its 30 s busy timeout: same handler")
-    from sqlalchemy import create_engine, text
+    from pg import database_away
 
     assert app_client.get("/v1/files", headers=H(key_a)).status_code == 200
-    name = settings.resolved_database_url.rsplit("/", 1)[1]
-    admin = create_engine(request.getfixturevalue("pg_server"), isolation_level="AUTOCOMMIT")
-
-    def allow(on: bool) -> None:
-        with admin.connect() as conn:
-            conn.execute(text(f"ALTER DATABASE {name} WITH ALLOW_CONNECTIONS {str(on).lower()}"))
-            if not on:
-                conn.execute(
-                    text(
-                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"
-                    ),
-                    {"n": name},
-                )
-
-    allow(False)
-    try:
+    with database_away(request.getfixturevalue("pg_server"), settings.resolved_database_url):
         for _ in range(2):  # the cut connection, then a refused new one
             resp = app_client.get("/v1/files", headers=H(key_a))
             assert resp.status_code == 503, resp.text
             assert resp.headers["retry-after"] == "2"
             assert resp.json()["error"]["code"] == "database_unavailable"
-    finally:
-        allow(True)
     assert app_client.get("/v1/files", headers=H(key_a)).status_code == 200
-    admin.dispose()

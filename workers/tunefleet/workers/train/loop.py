@@ -13,6 +13,7 @@ import math
 import os
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,14 @@ import torch.nn.functional as F
 from sqlalchemy import select
 from transformers import AutoTokenizer
 
-from tunefleet.platform.db import Job, session_scope
-from tunefleet.platform.progress import record_checkpoint, record_message, record_metrics
+from tunefleet.platform.db import Job
+from tunefleet.platform.progress import (
+    FINAL_WRITE_WAIT_S,
+    Reporter,
+    record_checkpoint,
+    record_message,
+    record_metrics,
+)
 from tunefleet.platform.spec import JobSpec
 from tunefleet.workers.train import checkpoint as ckpt_files
 from tunefleet.workers.train import metrics as train_metrics
@@ -155,6 +162,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     spec = JobSpec.model_validate(config["spec"])
     db_url: str = config["database_url"]
     run_id: str | None = config.get("run_id")  # the Ray job id the controller gave this run
+    reporter = Reporter(db_url)  # the chief's writes to the job, kept through an outage
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     is_chief = rank == 0
@@ -284,11 +292,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     head = train_metrics.output_layer_flops(total, trainable, built.model.config)
     if is_chief:
         checkpointing = spec.tunefleet.gradient_checkpointing is True  # "auto" unplanned: off
-        with session_scope(db_url) as s:
-            resumed = f", resumed at step {step}" if step else ""
-            record_message(
-                s,
-                spec.job_id,
+        resumed = f", resumed at step {step}" if step else ""
+        training_starts = partial(
+            record_message,
+            job_id=spec.job_id,
+            message=(
                 f"Training {total_steps} steps of {spec.tunefleet.method} in "
                 f"{spec.tunefleet.precision} on {world} worker(s)"
                 f"{f' sharded ({strategy})' if sharded else ''}"
@@ -299,30 +307,32 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 f"{f' packed into {len(units)} rows' if spec.tunefleet.packing else ''}, "
                 f"{data.truncated} truncated to {spec.tunefleet.max_seq_len} tokens; "
                 f"{probed}"
-                f"{trainable:,} trainable of {total:,} parameters{resumed}",
-                data={
-                    "model_load_s": round(model_load_s, 3),
-                    "step": step,
-                    "micro_batch": micro,
-                    "peak_flops": peak_flops,
-                    "peak_flops_source": peak_source,
-                    "flops_per_token": per_token,
-                    "output_layer_flops_per_token": head,  # counted at labelled positions
-                    "method": spec.tunefleet.method,
-                    "strategy": strategy if sharded or world > 1 else "single",
-                    "pid": os.getpid(),
-                    # seconds since the epoch: the driver's process and its trainer, this
-                    # worker's process, this function, and the end of set-up
-                    "startup": {
-                        **config.get("startup", {}),
-                        "worker_process": psutil.Process().create_time(),
-                        "train_fn": entered,
-                        "setup_done": time.time(),
-                    },
-                    "trainable_parameters": trainable,
-                    "total_parameters": total,
+                f"{trainable:,} trainable of {total:,} parameters{resumed}"
+            ),
+            data={
+                "model_load_s": round(model_load_s, 3),
+                "step": step,
+                "micro_batch": micro,
+                "peak_flops": peak_flops,
+                "peak_flops_source": peak_source,
+                "flops_per_token": per_token,
+                "output_layer_flops_per_token": head,  # counted at labelled positions
+                "method": spec.tunefleet.method,
+                "strategy": strategy if sharded or world > 1 else "single",
+                "pid": os.getpid(),
+                # seconds since the epoch: the driver's process and its trainer, this
+                # worker's process, this function, and the end of set-up
+                "startup": {
+                    **config.get("startup", {}),
+                    "worker_process": psutil.Process().create_time(),
+                    "train_fn": entered,
+                    "setup_done": time.time(),
                 },
-            )
+                "trainable_parameters": trainable,
+                "total_parameters": total,
+            },
+        )
+        reporter.write(training_starts)
 
     def save_checkpoint(final: bool, metrics: dict[str, Any]) -> None:
         """Report a checkpoint into the artifact store as ``checkpoints/{job}/step-N``."""
@@ -348,14 +358,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     checkpoint=ray.train.Checkpoint.from_directory(tmp),
                     checkpoint_dir_name=name,
                 )
-                with session_scope(db_url) as s:
-                    record_checkpoint(
-                        s,
-                        spec.job_id,
+                reporter.write(
+                    partial(
+                        record_checkpoint,
+                        job_id=spec.job_id,
                         step=step,
                         path=f"{config['checkpoints_key']}/{name}",
                         metrics=metrics,
                     )
+                )
             else:
                 ray.train.report({**metrics, "step": step, "final": final})
 
@@ -366,10 +377,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         the database and every rank learns the answer, so all leave at the same step."""
         code = 0
         if is_chief:
-            with session_scope(db_url) as s:
-                row = s.execute(
+            # while the database is away, nobody can have asked: train on
+            row = reporter.read(
+                lambda s: s.execute(
                     select(Job.status, Job.ray_submission_id).where(Job.id == spec.job_id)
-                ).first()
+                ).first(),
+                None,
+            )
             status, current = row if row is not None else (None, None)
             seen.update(status=status, current=current)
             # queued: resumed before this run saw the pause; another current run: this one
@@ -510,16 +524,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     **evaluated,
                 }
                 window_tokens = window_samples = window_labels = 0
-                with session_scope(db_url) as s:
-                    record_metrics(
-                        s,
-                        spec.job_id,
+                reporter.write(
+                    partial(
+                        record_metrics,
+                        job_id=spec.job_id,
                         step=step,
                         total_steps=total_steps,
                         metrics=metrics,
                         trained_tokens=trained_tokens,
                         eta_s=(total_steps - step) / rate if rate > 0 else None,
                     )
+                )
             if step < total_steps and (stop := requested_stop()):
                 if stop == "paused":
                     save_checkpoint(False, {"train_loss": last_loss, "stopped": stop})
@@ -530,8 +545,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                 f"Run {run_id} checkpointed at step {step} and left: the job "
                                 f"is {seen.get('status')} with current run {seen.get('current')}"
                             )
-                        with session_scope(db_url) as s:
-                            record_message(s, spec.job_id, message)
+                        reporter.write(partial(record_message, job_id=spec.job_id, message=message))
+                        reporter.flush(FINAL_WRITE_WAIT_S)
                 return
             if every and step % every == 0 and step % steps_per_epoch and step < total_steps:
                 save_checkpoint(False, {"train_loss": last_loss})
@@ -540,3 +555,5 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             save_checkpoint(False, {"train_loss": last_loss})
 
     save_checkpoint(True, {"train_loss": last_loss, "trained_tokens": trained_tokens})
+    if is_chief:  # what waited for the database goes in before the run reports success
+        reporter.flush(FINAL_WRITE_WAIT_S)
