@@ -167,7 +167,8 @@ async def _parse(model: type[_Req], request: Request) -> _Req | JSONResponse:
     except ValidationError as exc:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": ()}
-        param = ".".join(str(p) for p in first.get("loc", ()) if not isinstance(p, int)) or None
+        loc = first.get("loc", ())
+        param = str(loc[0]) if loc else None  # the request's field (pydantic adds union tags)
         detail = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors[:5]
         )
