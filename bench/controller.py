@@ -29,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import machine  # noqa: E402
 from tunefleet.platform.scheduler import (  # noqa: E402
     Dispatch,
     Node,
@@ -234,13 +235,6 @@ def _phases(dispatched: float, startup: dict[str, float], first_step: float) -> 
     return phases
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=3)
@@ -249,7 +243,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = {
         "benchmark": "controller",
-        "machine": f"{os.cpu_count()} CPUs, {cpu_name()}",
+        "machine": machine.describe(),
         "planning": planning(args.plans),
         "dispatch": dispatch_latency(args.jobs),
     }

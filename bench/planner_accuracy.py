@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import machine
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A Llama large enough that tensors dwarf allocator and library noise on the CPU.
@@ -252,6 +254,7 @@ def main() -> None:
     out = {
         "benchmark": "planner_accuracy",
         "device": "cpu",
+        "machine": machine.describe(),
         "shape": SHAPE,
         "note": "cases with bias: true add attention_bias and mlp_bias to the shape",
         "rows": rows,

@@ -40,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import machine  # noqa: E402
 from tinyllm import save_random_lora  # noqa: E402
 from tunefleet.platform.models import BUILTIN_MODEL, ModelRegistry  # noqa: E402
 from tunefleet.platform.settings import get_settings  # noqa: E402
@@ -254,6 +255,7 @@ def main() -> None:
     }
     result = {
         "model": BUILTIN_MODEL,
+        "machine": machine.describe(),
         "requests": args.requests,
         "new_tokens": args.new_tokens,
         "rank": 16,

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import machine
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "train_throughput.json"
 TARGET_RATIO = 1.5
@@ -313,6 +315,7 @@ def main() -> None:
         "accumulation": args.accum,
         "max_seq_len": args.max_seq_len,
         "threads": THREADS,
+        "machine": machine.describe(),
         "precision": "fp32 (bf16 and fp16 are emulated on this CPU, see gemm_peak_flops)",
         "gemm_peak_flops": peaks,
         "baseline_trainer": baseline,

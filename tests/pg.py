@@ -31,8 +31,12 @@ def _free_port() -> int:
 
 
 @contextmanager
-def postgres_cluster() -> Iterator[str]:
-    """Yields a SQLAlchemy URL of a fresh cluster's ``postgres`` database."""
+def postgres_cluster(*, durable: bool = False) -> Iterator[str]:
+    """Yields a SQLAlchemy URL of a fresh cluster's ``postgres`` database.
+
+    The tests' cluster skips ``fsync`` (a commit costs no disk flush); ``durable`` keeps
+    PostgreSQL's production defaults (``fsync`` and ``synchronous_commit`` on), for
+    benchmarks whose figures must hold in a real deployment."""
     bindir = pg_bin()
     if bindir is None:
         raise RuntimeError("PostgreSQL binaries not found (install postgresql-15)")
@@ -54,12 +58,14 @@ def postgres_cluster() -> Iterator[str]:
             "trust",
             "-U",
             "postgres",
-            "--no-sync",
+            *([] if durable else ["--no-sync"]),
         ],
         check=True,
         capture_output=True,
     )
-    opts = f"-p {port} -k {base} -c fsync=off -c listen_addresses=127.0.0.1 -c max_connections=200"
+    opts = f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c max_connections=200"
+    if not durable:
+        opts += " -c fsync=off"
     subprocess.run(
         [
             *run_as,
