@@ -8,12 +8,14 @@ import json
 import time
 from typing import Any
 
+import pytest
 from sqlalchemy import select
 
 from conftest import add_chat_file
 from tunefleet.platform.artifacts import ArtifactStore
 from tunefleet.platform.db import Adapter, Job, session_scope
 from tunefleet.platform.jobs import JobCreateRequest, create_job, list_events
+from tunefleet.platform.lease import Lease, LeaseLost
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.scheduler import Node
 from tunefleet.platform.settings import Settings
@@ -390,3 +392,37 @@ def test_pause_resume_races_never_run_two_runs_of_a_job_at_once(settings: Settin
         job = s.get(Job, job_id)
         assert job is not None and job.status == "running"
         assert job.ray_submission_id == f"{job_id}-2"
+
+
+def test_a_deposed_leader_changes_nothing_its_successor_owns(settings: Settings) -> None:
+    """A leader that stalled past its lease's TTL while a standby took over wakes up in
+    the middle of a pass: every write it attempts is fenced by the lease term and rolled
+    back, it stands by, and the successor runs the job."""
+    url = settings.resolved_database_url
+    now = [1000.0]
+    old = Lease(url, holder="old", ttl_s=10, clock=lambda: now[0])
+    new = Lease(url, holder="new", ttl_s=10, clock=lambda: now[0])
+    assert old.acquire() and old.term == 1
+    twin = TwinBackend()
+    deposed = Controller(settings, twin, lease=old)  # type: ignore[arg-type]
+    job_id = _job(settings)
+    with session_scope(url) as s:
+        events_before = len(list_events(s, job_id, limit=100)[0])
+
+    now[0] += 11  # the old leader stalls past its TTL; the standby takes over
+    assert new.acquire() and new.term == 2
+    with pytest.raises(LeaseLost, match="term 1 was taken over"):
+        deposed.tick()  # admission would move the job to queued: fenced, rolled back
+    assert not old.is_leader
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "validating_files"
+        assert len(list_events(s, job_id, limit=100)[0]) == events_before
+    assert twin.submitted == []
+
+    successor = Controller(settings, twin, lease=new)  # type: ignore[arg-type]
+    successor.tick()
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "running"
+    assert twin.submitted == [f"{job_id}-1"]

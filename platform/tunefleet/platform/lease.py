@@ -12,9 +12,14 @@ Clock assumption. Expiry is compared with each controller's own clock, so contro
 clocks must agree to well within the TTL. Renew every pass and make the TTL several
 passes long, so a leader that misses one pass (a slow query, a GC pause) keeps the lease.
 
-The lease prevents duplicate work; it is not the only guard. Every job status change is
-itself a compare-and-set (``status.transition``), so two controllers that briefly both
-believe they lead cannot both move the same job.
+Fencing. A leader can stall past its TTL (a long pass, a GC pause, a frozen VM) while a
+standby takes over, then wake and go on writing. So every controller write transaction
+ends with ``fence()``: a no-op update of the lease row that matches only this holder at the
+term it won. It fails (``LeaseLost``, the transaction rolls back) once a successor holds
+the row, and otherwise locks it until commit (a row lock on PostgreSQL, the write lock on
+SQLite), so a takeover is ordered after the writes it would fence. Every job status change
+is also a compare-and-set (``status.transition``): two controllers cannot both move the
+same job even without the fence.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Callable
 
 from sqlalchemy import case, insert, select, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from tunefleet.platform.db import ControllerLease, get_engine
 
@@ -38,6 +44,10 @@ def _default_holder() -> str:
     # The random suffix keeps two leases in one process (tests, a restarted loop) apart.
     suffix = f":{os.getpid()}:{secrets.token_hex(4)}"
     return socket.gethostname()[: _MAX_HOLDER - len(suffix)] + suffix
+
+
+class LeaseLost(RuntimeError):
+    """This controller no longer holds the lease at the term it won: a successor leads."""
 
 
 class Lease:
@@ -119,6 +129,29 @@ class Lease:
             term = 1
         self.term, self.is_leader = term, True
         return True
+
+    def fence(self, session: Session) -> None:
+        """Last statement of a controller's write transaction: raise ``LeaseLost`` (and
+        count as not leading) unless this holder still holds the lease at ``term``; when it
+        does, the lease row stays locked until the transaction ends (see the module's
+        notes on fencing)."""
+        lease = ControllerLease
+        held = session.execute(
+            update(lease)
+            .where(
+                lease.name == self.name,
+                lease.holder == self.holder,
+                lease.term == self.term,
+            )
+            .values(term=lease.term)
+        )
+        if held.rowcount != 1:  # type: ignore[attr-defined]
+            lost = self.term
+            self.term, self.is_leader = None, False
+            raise LeaseLost(
+                f"lease {self.name!r} of term {lost} was taken over; this controller's "
+                "writes of the pass are rolled back and it stands by"
+            )
 
     def release(self) -> None:
         """Give up the lease if this holder holds it, so a standby takes over at once."""

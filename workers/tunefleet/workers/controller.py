@@ -35,7 +35,7 @@ from tunefleet.platform.artifacts import ArtifactStore
 from tunefleet.platform.db import Adapter, Job, JobEvent, Tenant, now_s, session_scope
 from tunefleet.platform.errors import Conflict
 from tunefleet.platform.ids import new_id
-from tunefleet.platform.lease import Lease
+from tunefleet.platform.lease import Lease, LeaseLost
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.scheduler import (
     Dispatch,
@@ -126,12 +126,26 @@ class Controller:
                     elif leading:
                         leading = False
                         log.warning("controller lost the lease; standing by")
+                except LeaseLost as exc:  # deposed mid-pass: the pass's writes rolled back
+                    leading = False
+                    log.warning("controller lost the lease mid-pass (%s); standing by", exc)
                 except Exception:  # top of the loop: log, keep the controller alive
                     log.exception("controller pass failed")
                 stop.wait(self.settings.controller_interval_s)
         finally:
             if self.lease is not None:
                 self.lease.release()
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[Session]:
+        """A session for the controller's writes, fenced by the lease: it commits only while
+        this controller holds the lease at the term it won (``Lease.fence``), so a leader
+        deposed mid-pass changes nothing its successor now owns. Reads use plain
+        sessions."""
+        with session_scope(self.db_url) as s:
+            yield s
+            if self.lease is not None:
+                self.lease.fence(s)
 
     def _reattach(self, term: int | None) -> None:
         """On taking the lead, say on each running job that its run is followed again."""
@@ -143,7 +157,7 @@ class Controller:
             )
         for job_id, sid in running:
             status = self.backend.run_status(sid).status if sid else NOT_FOUND
-            with session_scope(self.db_url) as s:
+            with self._writing() as s:
                 add_event(
                     s,
                     job_id,
@@ -186,7 +200,7 @@ class Controller:
                         "with weight 1, completions or text)"
                     )
             except Exception as exc:  # any unreadable file fails this job, not the loop
-                with moved_on(job.id), session_scope(self.db_url) as s:
+                with moved_on(job.id), self._writing() as s:
                     transition(
                         s,
                         job.id,
@@ -202,7 +216,7 @@ class Controller:
                     )
                 continue
             train = stats["training_file"]
-            with moved_on(job.id), session_scope(self.db_url) as s:
+            with moved_on(job.id), self._writing() as s:
                 transition(
                     s,
                     job.id,
@@ -232,7 +246,7 @@ class Controller:
         the others their place in the queue and why, fail the ones that can never fit."""
         now = time.time()
         started: list[tuple[str, str]] = []
-        with session_scope(self.db_url) as s:
+        with self._writing() as s:
             queued = list(
                 s.scalars(
                     select(Job)
@@ -390,8 +404,10 @@ class Controller:
         try:
             self.backend.submit_run(sid, job_id, env)
             failpoint("dispatch.after_submit")
-            with session_scope(self.db_url) as s:
+            with self._writing() as s:
                 add_event(s, job_id, f"Ray job {sid} submitted", data={"ray_submission_id": sid})
+        except LeaseLost:
+            raise
         except Exception as exc:  # Ray's Jobs API can refuse for a while ("no agent")
             log.warning("submitting %s of %s failed: %s", sid, job_id, exc)
             with moved_on(job_id):
@@ -426,14 +442,14 @@ class Controller:
         goes on with the others; the next pass tries the job again."""
         try:
             yield
-        except Conflict:
-            raise  # moved on by someone else: not trouble
+        except (Conflict, LeaseLost):
+            raise  # moved on by someone else, or no longer ours to follow: not trouble
         except Exception as exc:
             message = f"The controller could not follow this job this pass: {exc}"
             log.warning("job %s: %s", job_id, message)
             if self._trouble.get(job_id) != message:
                 self._trouble[job_id] = message
-                with session_scope(self.db_url) as s:
+                with self._writing() as s:
                     add_event(s, job_id, message[:2000], level="warning")
 
     def _fail_unreadable(self, job_id: str, status: JobStatus, exc: ValidationError) -> None:
@@ -442,7 +458,7 @@ class Controller:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5]
         )
-        with moved_on(job_id), session_scope(self.db_url) as s:
+        with moved_on(job_id), self._writing() as s:
             transition(
                 s,
                 job_id,
@@ -464,7 +480,7 @@ class Controller:
         elif submitted:
             self._fail(job_id, sid, message)
         else:
-            with session_scope(self.db_url) as s:
+            with self._writing() as s:
                 transition(
                     s,
                     job_id,
@@ -480,7 +496,7 @@ class Controller:
         """Requeue a job whose run failed, to start again after a backoff; the next run
         restores the newest checkpoint."""
         delay = min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (failures - 1))
-        with session_scope(self.db_url) as s:
+        with self._writing() as s:
             transition(
                 s,
                 job_id,
@@ -506,7 +522,7 @@ class Controller:
             base = job.model
         # Serving first: a job reads succeeded only once its model answers.
         self.ensure_served(base)
-        with session_scope(self.db_url) as s:
+        with self._writing() as s:
             job = s.get(Job, job_id)
             assert job is not None
             tenant = s.get(Tenant, job.tenant_id)
@@ -537,7 +553,7 @@ class Controller:
             )
 
     def _fail(self, job_id: str, sid: str | None, message: str) -> None:
-        with session_scope(self.db_url) as s:
+        with self._writing() as s:
             recorded = s.scalar(
                 select(JobEvent.data)
                 .where(JobEvent.job_id == job_id, JobEvent.level == "error")
