@@ -5,6 +5,7 @@ cancel that races a pass is respected, not overwritten."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
@@ -426,3 +427,57 @@ def test_a_deposed_leader_changes_nothing_its_successor_owns(settings: Settings)
         job = s.get(Job, job_id)
         assert job is not None and job.status == "running"
     assert twin.submitted == [f"{job_id}-1"]
+
+
+def test_counting_a_large_file_holds_up_no_pass(settings: Settings) -> None:
+    """Counting tokens ran inside the pass: one tenant's large file stalled every tenant's
+    dispatch and the lease's renewal. Now it runs on the admission thread; a pass waits
+    for it only briefly and dispatches the queue meanwhile."""
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    ctl.ADMISSION_WAIT_S = 0.2
+    url = settings.resolved_database_url
+    first, second = _jobs(settings, 2, "initech")
+    ctl.tick()  # one CPU: the first runs, the second waits
+    twin.status[f"{first}-1"] = "FAILED"  # the first is requeued: the second can start
+
+    release = threading.Event()
+    counting = ctl._file_stats
+
+    def slow(file_id: str, *args: Any) -> dict[str, int]:
+        if file_id == "file-1":  # the large file, as slow as one can be
+            release.wait(30)
+        return counting(file_id, *args)
+
+    ctl._file_stats = slow  # type: ignore[method-assign]
+    large = _job(settings)
+    t0 = time.monotonic()
+    ctl.tick()
+    assert time.monotonic() - t0 < 5
+    with session_scope(url) as s:
+        assert s.get(Job, large).status == "validating_files"  # type: ignore[union-attr]
+        assert s.get(Job, second).status == "running"  # type: ignore[union-attr]
+    assert twin.submitted == [f"{first}-1", f"{second}-1"]
+    release.set()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        ctl.tick()
+        with session_scope(url) as s:
+            if s.get(Job, large).status != "validating_files":  # type: ignore[union-attr]
+                break
+    with session_scope(url) as s:
+        assert s.get(Job, large).status in ("queued", "running")  # type: ignore[union-attr]
+
+
+def test_counting_past_its_time_limit_fails_the_job_with_the_fix(settings: Settings) -> None:
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    ctl.ADMISSION_TIMEOUT_S = 0.0
+    job_id = _job(settings)
+    ctl.tick()
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "failed"
+        assert job.error is not None and job.error["code"] == "invalid_file"
+        assert "took longer than 0 s" in job.error["message"]
+        assert "split the training file" in job.error["message"]

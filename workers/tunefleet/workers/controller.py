@@ -24,7 +24,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any
 
 from pydantic import ValidationError
@@ -93,6 +94,11 @@ SERVE_RETRY_S = 60
 
 
 class Controller:
+    # A pass waits this long for the files it handed to the admission thread.
+    ADMISSION_WAIT_S = 2.0
+    # Counting one job's files in tokens may take this long, then the job fails.
+    ADMISSION_TIMEOUT_S = 900.0
+
     def __init__(self, settings: Settings, backend: RayBackend, *, lease: Lease | None = None):
         self.settings = settings
         self.backend = backend
@@ -101,7 +107,10 @@ class Controller:
         self.store = ArtifactStore(settings.resolved_artifact_root)
         self.registry = ModelRegistry(settings.resolved_model_registry)
         self._served: set[str] = set()
-        self._tokenizers: dict[str, Any] = {}
+        self._tokenizers: dict[str, Any] = {}  # used on the admission thread only
+        self._admission = futures.ThreadPoolExecutor(1, thread_name_prefix="admission")
+        self._closing = threading.Event()
+        self._admitting: dict[str, futures.Future[dict[str, dict[str, int]]]] = {}
         self._waiting: dict[str, str] = {}  # job id -> the last "Waiting in queue" written
         self._trouble: dict[str, str] = {}  # job id -> the last trouble said on it
         # base model -> (monotonic time of the next try, why the last one failed)
@@ -133,6 +142,8 @@ class Controller:
                     log.exception("controller pass failed")
                 stop.wait(self.settings.controller_interval_s)
         finally:
+            self._closing.set()  # a count in progress stops at its next line
+            self._admission.shutdown(wait=True, cancel_futures=True)
             if self.lease is not None:
                 self.lease.release()
 
@@ -174,36 +185,43 @@ class Controller:
     # -- steps -----------------------------------------------------------------------
     def _admit(self) -> None:
         """Count each new job's files in its base model's tokens, then queue it (or fail
-        it with the reason when a file cannot be used)."""
+        it with the reason when a file cannot be used).
+
+        Counting runs on the admission thread, off the pass: a pass hands it the new jobs,
+        waits for them up to ``ADMISSION_WAIT_S`` (small files are done by then), and takes
+        the rest on a later pass, so one tenant's large file never holds up the others'
+        dispatch or the lease's renewal. A file whose counting runs past
+        ``ADMISSION_TIMEOUT_S`` fails its job."""
         with session_scope(self.db_url) as s:
             pending = list(s.scalars(select(Job).where(Job.status == S.VALIDATING_FILES.value)))
             for job in pending:
                 s.expunge(job)
+        waiting = {job.id for job in pending}
+        self._admitting = {k: v for k, v in self._admitting.items() if k in waiting}
         for job in pending:
+            if job.id in self._admitting:
+                continue
             try:
                 spec = JobSpec.model_validate(job.spec)
             except ValidationError as exc:  # stored before a bound existed: this job alone
                 self._fail_unreadable(job.id, S.VALIDATING_FILES, exc)
                 continue
+            files = {"training_file": job.training_file, "validation_file": job.validation_file}
+            self._admitting[job.id] = self._admission.submit(
+                self._count_files, job.model, spec.tunefleet.max_seq_len, files
+            )
+        futures.wait(list(self._admitting.values()), timeout=self.ADMISSION_WAIT_S)
+        for job_id, counted in list(self._admitting.items()):
+            if not counted.done():
+                continue
+            del self._admitting[job_id]
             try:
-                stats = {
-                    role: self._file_stats(file_id, job.model, spec.tunefleet.max_seq_len)
-                    for role, file_id in (
-                        ("training_file", job.training_file),
-                        ("validation_file", job.validation_file),
-                    )
-                    if file_id
-                }
-                if stats["training_file"]["trained_tokens"] == 0:
-                    raise ValueError(
-                        "no example has tokens to learn from (assistant turns "
-                        "with weight 1, completions or text)"
-                    )
+                stats = counted.result()
             except Exception as exc:  # any unreadable file fails this job, not the loop
-                with moved_on(job.id), self._writing() as s:
+                with moved_on(job_id), self._writing() as s:
                     transition(
                         s,
-                        job.id,
+                        job_id,
                         S.VALIDATING_FILES,
                         S.FAILED,
                         f"File validation failed: {exc}",
@@ -216,10 +234,10 @@ class Controller:
                     )
                 continue
             train = stats["training_file"]
-            with moved_on(job.id), self._writing() as s:
+            with moved_on(job_id), self._writing() as s:
                 transition(
                     s,
-                    job.id,
+                    job_id,
                     S.VALIDATING_FILES,
                     S.QUEUED,
                     f"Validated training file: {train['examples']} examples, "
@@ -229,7 +247,36 @@ class Controller:
                     stats=stats,
                 )
 
-    def _file_stats(self, file_id: str, model: str, max_seq_len: int) -> dict[str, int]:
+    def _count_files(
+        self, model: str, max_seq_len: int, files: dict[str, str | None]
+    ) -> dict[str, dict[str, int]]:
+        """On the admission thread: each file's token statistics (see ``_admit``)."""
+        deadline = time.monotonic() + self.ADMISSION_TIMEOUT_S
+
+        def check() -> None:  # between two lines of a file
+            if self._closing.is_set():
+                raise RuntimeError("the controller stopped while counting; counted again later")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"counting the files' tokens took longer than {self.ADMISSION_TIMEOUT_S:.0f}"
+                    " s; split the training file into smaller jobs"
+                )
+
+        stats = {
+            role: self._file_stats(file_id, model, max_seq_len, check)
+            for role, file_id in files.items()
+            if file_id
+        }
+        if stats["training_file"]["trained_tokens"] == 0:
+            raise ValueError(
+                "no example has tokens to learn from (assistant turns with weight 1, "
+                "completions or text)"
+            )
+        return stats
+
+    def _file_stats(
+        self, file_id: str, model: str, max_seq_len: int, check: Callable[[], None]
+    ) -> dict[str, int]:
         from transformers import AutoTokenizer
 
         from tunefleet.workers.train.data import token_stats
@@ -239,7 +286,7 @@ class Controller:
             raise FileNotFoundError(f"file {file_id} is no longer in the artifact store")
         if model not in self._tokenizers:
             self._tokenizers[model] = AutoTokenizer.from_pretrained(self.registry.require(model))
-        return token_stats(path, self._tokenizers[model], max_seq_len)
+        return token_stats(path, self._tokenizers[model], max_seq_len, check=check)
 
     def _dispatch(self) -> None:
         """Apply the scheduling policy: start the jobs it picks on the nodes it picks, tell

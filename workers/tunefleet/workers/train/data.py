@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,9 +179,12 @@ def load_dataset(path: Path, tokenizer: Any, max_seq_len: int) -> TokenizedDatas
     return TokenizedDataset(examples, truncated)
 
 
-def token_stats(path: Path, tokenizer: Any, max_seq_len: int) -> dict[str, int]:
+def token_stats(
+    path: Path, tokenizer: Any, max_seq_len: int, *, check: Callable[[], None] | None = None
+) -> dict[str, int]:
     """What a file holds in the base model's tokens: examples, tokens, trained (loss)
-    tokens, and examples longer than ``max_seq_len`` (truncated when training)."""
+    tokens, and examples longer than ``max_seq_len`` (truncated when training). ``check``
+    runs before each line and may raise to stop (a deadline, a shutdown)."""
     stats = {
         "examples": 0,
         "tokens": 0,
@@ -190,6 +194,8 @@ def token_stats(path: Path, tokenizer: Any, max_seq_len: int) -> dict[str, int]:
     }
     with path.open("rb") as fh:
         for raw in fh:
+            if check is not None:
+                check()
             if not raw.strip():
                 continue
             ex = tokenize_example(tokenizer, json.loads(raw))
