@@ -199,6 +199,9 @@ from tunefleet.platform.tenants import create_key, create_tenant
 upgrade(sys.argv[1])
 with session_scope(sys.argv[1]) as s:
     tenants = [create_tenant(s, f"load-{i}") for i in range(4)]
+    for t in tenants:  # no controller runs: every job created waits
+        if hasattr(t, "max_waiting_jobs"):
+            t.max_waiting_jobs = 1_000_000
     print(json.dumps([create_key(s, t.id)[1] for t in tenants]))
 """
 

@@ -75,6 +75,42 @@ def test_admin_manages_tenants_keys_and_sees_all_jobs(
     assert [j["id"] for j in everyone] == [ok.json()["id"]]
 
 
+def test_a_tenant_waiting_jobs_are_capped(app_client: TestClient, settings: Settings) -> None:
+    """A tenant could fill the queue (and the admission thread) without bound; past its
+    ``max_waiting_jobs`` a create answers 429 naming the limit and the fix, and a slot
+    freed (a waiting job cancelled) takes a job again."""
+    admin = admin_key(settings)
+    made = app_client.post(
+        "/v1/admin/tenants", headers=H(admin), json={"name": "busy", "max_waiting_jobs": 2}
+    ).json()
+    assert made["max_waiting_jobs"] == 2
+    key = made["api_key"]
+    f = upload_chat(app_client, key)
+    body = {"model": "tiny-llama", "training_file": f["id"]}
+    first, second = (
+        app_client.post("/v1/fine_tuning/jobs", headers=H(key), json=body) for _ in range(2)
+    )
+    assert first.status_code == second.status_code == 200
+    over = app_client.post("/v1/fine_tuning/jobs", headers=H(key), json=body)
+    assert over.status_code == 429, over.text
+    error = over.json()["error"]
+    assert error["code"] == "too_many_waiting_jobs"
+    assert "2 jobs waiting" in error["message"] and "max_waiting_jobs" in error["message"]
+    listed = app_client.get("/v1/fine_tuning/jobs", headers=H(key)).json()["data"]
+    assert len(listed) == 2  # nothing stored for the refused create
+
+    cancelled = app_client.post(
+        f"/v1/fine_tuning/jobs/{first.json()['id']}/cancel", headers=H(key)
+    )
+    assert cancelled.status_code == 200
+    assert app_client.post("/v1/fine_tuning/jobs", headers=H(key), json=body).status_code == 200
+    raised = app_client.patch(
+        f"/v1/admin/tenants/{made['id']}", headers=H(admin), json={"max_waiting_jobs": 3}
+    )
+    assert raised.json()["max_waiting_jobs"] == 3
+    assert app_client.post("/v1/fine_tuning/jobs", headers=H(key), json=body).status_code == 200
+
+
 def test_concurrent_retries_with_one_idempotency_key_make_one_job(
     live_server: Callable[..., str], key_a: str, settings: Settings
 ) -> None:

@@ -172,11 +172,20 @@ def admin_create_tenant(
     name: str,
     max_concurrent_jobs: int = 4,
     max_gpus: int = 8,
+    max_waiting_jobs: Annotated[
+        int, typer.Option(help="Jobs validating or queued at once; one more answers 429.")
+    ] = 100,
     with_key: Annotated[bool, typer.Option(help="Also create an API key.")] = True,
 ) -> None:
     """Create a tenant (and a key for it); prints JSON with the key, shown once."""
     with session_scope(get_settings().resolved_database_url) as s:
-        tenant = create_tenant(s, name, max_concurrent_jobs=max_concurrent_jobs, max_gpus=max_gpus)
+        tenant = create_tenant(
+            s,
+            name,
+            max_concurrent_jobs=max_concurrent_jobs,
+            max_gpus=max_gpus,
+            max_waiting_jobs=max_waiting_jobs,
+        )
         out = {"tenant_id": tenant.id, "name": tenant.name}
         if with_key:
             key, plaintext = create_key(s, tenant.id, name="initial")

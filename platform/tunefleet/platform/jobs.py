@@ -16,7 +16,7 @@ from functools import lru_cache
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
-from sqlalchemy import Executable, Row, and_, bindparam, exists, insert, select
+from sqlalchemy import Executable, Row, and_, bindparam, exists, func, insert, select
 from sqlalchemy.orm import Session
 
 from tunefleet.platform.db.models import File, Job, JobEvent
@@ -134,6 +134,24 @@ class JobCreateRequest(BaseModel):
         )
 
 
+def _explain_waiting(session: Session, principal: Principal) -> None:
+    """Raise 429 when the tenant's waiting jobs are at its cap (after an insert that did
+    not happen with every file usable)."""
+    waiting = session.scalar(
+        select(func.count())
+        .select_from(Job)
+        .where(Job.tenant_id == principal.tenant_id, Job.status.in_(WAITING))
+    )
+    if waiting is not None and waiting >= principal.max_waiting_jobs:
+        raise QuotaExceeded(
+            f"tenant {principal.tenant_name!r} has {waiting} jobs waiting to run "
+            f"(validating_files or queued), its limit of {principal.max_waiting_jobs}; "
+            "create this job once some have started, cancel waiting ones, or ask an admin "
+            "to raise max_waiting_jobs",
+            code="too_many_waiting_jobs",
+        )
+
+
 def _explain_unusable(session: Session, principal: Principal, file_id: str, param: str) -> None:
     """Raise the error that says why ``file_id`` cannot be used for a job (missing, wrong
     purpose, not processed). Runs only after an insert found no usable file."""
@@ -166,8 +184,10 @@ def _create_statement(postgres: bool, files: int) -> Executable:
     bound as ``job_<column>``, ``event_<column>`` and ``file_<param>``.
 
     ``files`` > 0: insert the job row only where its ``files`` files (training, then
-    validation) are usable, in the same statement: no separate check to race with a
-    delete, one round trip fewer; no row returned = not inserted. On PostgreSQL the same
+    validation) are usable and the tenant has fewer than ``waiting_cap`` jobs waiting, in
+    the same statement: no separate check to race with a delete, one round trip fewer; no
+    row returned = not inserted. (Concurrent creates of one tenant each count the others'
+    committed jobs only: the cap may be passed by the creates in flight.) On PostgreSQL the same
     statement also writes the job's first event (only where the job row was written), so
     with a session from ``single_statement_sessions`` it is the whole transaction: one
     round trip instead of four (BEGIN, two INSERTs, COMMIT). On SQLite, ``files`` = 0 is
@@ -177,6 +197,15 @@ def _create_statement(postgres: bool, files: int) -> Executable:
     if files == 0:
         return insert(JobEvent).values({k: bindparam(f"event_{k}") for k in _EVENT_COLUMNS})
     row = select(*(bindparam(f"job_{k}", type_=jobs[k].type).label(k) for k in _JOB_COLUMNS))
+    waiting = (
+        select(jobs.id)
+        .where(jobs.tenant_id == bindparam("job_tenant_id"), jobs.status.in_(WAITING))
+        .limit(bindparam("waiting_cap"))
+        .subquery()
+    )
+    row = row.where(
+        select(func.count()).select_from(waiting).scalar_subquery() < bindparam("waiting_cap")
+    )
     for param in ("training_file", "validation_file")[:files]:
         row = row.where(
             exists().where(
@@ -207,6 +236,9 @@ def _create_statement(postgres: bool, files: int) -> Executable:
         .add_cte(made, nest_here=True)
     )
 
+
+# Jobs that wait to run, which a tenant's ``max_waiting_jobs`` caps.
+WAITING = (JobStatus.VALIDATING_FILES.value, JobStatus.QUEUED.value)
 
 _JOB_COLUMNS = (
     "id",
@@ -320,13 +352,15 @@ def create_job(
     params = {f"job_{k}": v for k, v in values.items()}
     params.update({f"event_{k}": v for k, v in event.items()})
     params.update({f"file_{param}": file_id for param, file_id in usable})
+    params["waiting_cap"] = principal.max_waiting_jobs
     inserted = conn.execute(_create_statement(postgres, len(usable)), params).first() is not None
     if inserted and not postgres:
         conn.execute(_create_statement(False, 0), params)
     if not inserted:
         for param, file_id in usable:
             _explain_unusable(session, principal, file_id, param)
-        raise AssertionError("unreachable: every file is usable but the job was not inserted")
+        _explain_waiting(session, principal)
+        raise AssertionError("unreachable: the job was insertable but not inserted")
     # A detached copy for the response (the attribute behind column "metadata" is
     # ``metadata_``: ``metadata`` is reserved on declarative classes).
     return Job(**{k: v for k, v in values.items() if k != "metadata"}, metadata_=values["metadata"])

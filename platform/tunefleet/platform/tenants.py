@@ -30,6 +30,7 @@ class Principal:
     key_id: str
     is_admin: bool
     max_gpus: int = 0
+    max_waiting_jobs: int = 100
 
 
 def _hash(secret: str) -> str:
@@ -37,7 +38,12 @@ def _hash(secret: str) -> str:
 
 
 def create_tenant(
-    session: Session, name: str, *, max_concurrent_jobs: int = 4, max_gpus: int = 8
+    session: Session,
+    name: str,
+    *,
+    max_concurrent_jobs: int = 4,
+    max_gpus: int = 8,
+    max_waiting_jobs: int = 100,
 ) -> Tenant:
     if not _NAME_RE.match(name):
         raise InvalidRequest(
@@ -52,6 +58,7 @@ def create_tenant(
         created_at=now_s(),
         max_concurrent_jobs=max_concurrent_jobs,
         max_gpus=max_gpus,
+        max_waiting_jobs=max_waiting_jobs,
     )
     session.add(tenant)
     session.flush()
@@ -117,6 +124,7 @@ def authenticate(session: Session, authorization: str | None) -> Principal:
         key_id=key.id,
         is_admin=key.is_admin,
         max_gpus=tenant.max_gpus,
+        max_waiting_jobs=tenant.max_waiting_jobs,
     )
     if len(_AUTH_CACHE) >= _AUTH_CACHE_MAX:
         _AUTH_CACHE.clear()

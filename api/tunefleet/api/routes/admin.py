@@ -9,6 +9,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
 
 from tunefleet.api.deps import PrincipalDep, SessionDep
+from tunefleet.api.openapi import (
+    AdapterList,
+    AdapterServing,
+    AdminJobList,
+    NewKey,
+    NewTenant,
+    RevokedKey,
+    TenantList,
+    TenantObject,
+    errors,
+    ok,
+)
 from tunefleet.platform.db import Adapter, ApiKey, Job, Tenant, now_s
 from tunefleet.platform.errors import Forbidden, NotFound
 from tunefleet.platform.jobs import job_view
@@ -26,7 +38,7 @@ async def require_admin(principal: PrincipalDep) -> Principal:
 
 
 AdminDep = Annotated[Principal, Depends(require_admin)]
-router = APIRouter(prefix="/v1/admin", tags=["admin"])
+router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=errors(401, 403, 503))
 
 
 class TenantCreate(BaseModel):
@@ -34,12 +46,16 @@ class TenantCreate(BaseModel):
     name: str = Field(description="1-63 lowercase letters, digits and '-'.")
     max_concurrent_jobs: int = Field(default=4, ge=0, le=10_000)
     max_gpus: int = Field(default=8, ge=0, le=100_000)
+    max_waiting_jobs: int = Field(
+        default=100, ge=0, le=1_000_000, description="Jobs validating or queued at once."
+    )
 
 
 class TenantUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_concurrent_jobs: int | None = Field(default=None, ge=0, le=10_000)
     max_gpus: int | None = Field(default=None, ge=0, le=100_000)
+    max_waiting_jobs: int | None = Field(default=None, ge=0, le=1_000_000)
 
 
 class KeyCreate(BaseModel):
@@ -56,6 +72,7 @@ def tenant_view(t: Tenant, active_jobs: int = 0) -> dict[str, Any]:
         "created_at": t.created_at,
         "max_concurrent_jobs": t.max_concurrent_jobs,
         "max_gpus": t.max_gpus,
+        "max_waiting_jobs": t.max_waiting_jobs,
         "active_jobs": active_jobs,
     }
 
@@ -67,7 +84,7 @@ def _tenant(session: SessionDep, tenant_id: str) -> Tenant:
     return tenant
 
 
-@router.get("/tenants")
+@router.get("/tenants", responses=ok(TenantList))
 def list_tenants(session: SessionDep, _: AdminDep) -> dict[str, Any]:
     active = dict(
         session.execute(
@@ -80,17 +97,21 @@ def list_tenants(session: SessionDep, _: AdminDep) -> dict[str, Any]:
     return {"object": "list", "data": [tenant_view(t, active.get(t.id, 0)) for t in rows]}
 
 
-@router.post("/tenants")
+@router.post("/tenants", responses={**ok(NewTenant), **errors(400, 409, 413)})
 def add_tenant(body: TenantCreate, session: SessionDep, _: AdminDep) -> dict[str, Any]:
     tenant = create_tenant(
-        session, body.name, max_concurrent_jobs=body.max_concurrent_jobs, max_gpus=body.max_gpus
+        session,
+        body.name,
+        max_concurrent_jobs=body.max_concurrent_jobs,
+        max_gpus=body.max_gpus,
+        max_waiting_jobs=body.max_waiting_jobs,
     )
     key, plaintext = create_key(session, tenant.id, name="initial")
     session.commit()
     return {**tenant_view(tenant), "api_key": plaintext, "key_id": key.id}
 
 
-@router.patch("/tenants/{tenant_id}")
+@router.patch("/tenants/{tenant_id}", responses={**ok(TenantObject), **errors(400, 404, 413)})
 def update_tenant(
     tenant_id: str, body: TenantUpdate, session: SessionDep, _: AdminDep
 ) -> dict[str, Any]:
@@ -102,7 +123,7 @@ def update_tenant(
     return tenant_view(tenant)
 
 
-@router.post("/tenants/{tenant_id}/keys")
+@router.post("/tenants/{tenant_id}/keys", responses={**ok(NewKey), **errors(400, 404, 413)})
 def add_key(tenant_id: str, body: KeyCreate, session: SessionDep, _: AdminDep) -> dict[str, Any]:
     tenant = _tenant(session, tenant_id)
     key, plaintext = create_key(session, tenant.id, name=body.name, is_admin=body.admin)
@@ -117,7 +138,7 @@ def add_key(tenant_id: str, body: KeyCreate, session: SessionDep, _: AdminDep) -
     }
 
 
-@router.delete("/keys/{key_id}")
+@router.delete("/keys/{key_id}", responses={**ok(RevokedKey), **errors(404)})
 def revoke_key(key_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
     key = session.get(ApiKey, key_id)
     if key is None:
@@ -128,7 +149,7 @@ def revoke_key(key_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
     return {"id": key.id, "object": "api_key", "prefix": key.prefix, "revoked": True}
 
 
-@router.get("/jobs")
+@router.get("/jobs", responses={**ok(AdminJobList), **errors(400)})
 def all_jobs(
     session: SessionDep,
     _: AdminDep,
@@ -155,7 +176,7 @@ class ServingUpdate(BaseModel):
     pinned: bool | None = Field(default=None, description="Never evicted from replicas.")
 
 
-@router.get("/adapters")
+@router.get("/adapters", responses=ok(AdapterList))
 def all_adapters(session: SessionDep, _: AdminDep, base_model: str | None = None) -> dict[str, Any]:
     """Every tenant's adapters with how they are served."""
     query = select(Adapter).order_by(Adapter.created_at, Adapter.id)
@@ -167,7 +188,9 @@ def all_adapters(session: SessionDep, _: AdminDep, base_model: str | None = None
     }
 
 
-@router.patch("/adapters/{model:path}")
+@router.patch(
+    "/adapters/{model:path}", responses={**ok(AdapterServing), **errors(400, 404, 413)}
+)
 def update_serving(
     model: str, body: ServingUpdate, session: SessionDep, _: AdminDep
 ) -> dict[str, Any]:

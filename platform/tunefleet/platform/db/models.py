@@ -29,6 +29,8 @@ class Tenant(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
     max_concurrent_jobs: Mapped[int] = mapped_column(Integer, default=4)
     max_gpus: Mapped[int] = mapped_column(Integer, default=8)
+    # jobs in validating_files or queued at once; creating one more answers 429
+    max_waiting_jobs: Mapped[int] = mapped_column(Integer, default=100)
 
 
 class ApiKey(Base):
@@ -68,6 +70,7 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_tenant_created_ns", "tenant_id", "created_ns"),
         Index("ix_jobs_status", "status"),
+        Index("ix_jobs_tenant_status", "tenant_id", "status"),
         Index("uq_jobs_tenant_idempotency", "tenant_id", "idempotency_key", unique=True),
     )
 
