@@ -7,6 +7,8 @@ half-written artifact under its final key.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import uuid
@@ -14,6 +16,21 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from tunefleet.platform.errors import InvalidRequest, PayloadTooLarge
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False
+    where the system or the filesystem cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 class ArtifactStore:
@@ -74,8 +91,11 @@ class ArtifactStore:
 
     def write_bytes(self, key: str, data: bytes) -> None:
         tmp = self._tmp_for(key)
-        tmp.write_bytes(data)
-        os.replace(tmp, self.path(key))
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, self.path(key))
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def read_chunks(self, key: str, chunk_size: int = 1 << 16) -> Iterator[bytes]:
         with self.path(key).open("rb") as fh:
@@ -83,13 +103,24 @@ class ArtifactStore:
                 yield chunk
 
     def put_dir(self, key: str, source: Path) -> Path:
-        """Copy a folder in under ``key``, replacing what was there, atomically."""
+        """Copy a folder in under ``key``, replacing what was there atomically: a reader
+        sees the old folder or the new one, never a mix or nothing. A failed copy (a full
+        disk) leaves the old folder as it was and no temporary folder behind."""
         final = self.path(key)
         tmp = self._tmp_for(key)
-        shutil.copytree(source, tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        try:
+            shutil.copytree(source, tmp)
+            if not final.exists():
+                os.replace(tmp, final)
+            elif _exchange(tmp, final):  # tmp now holds the old folder
+                shutil.rmtree(tmp)
+            else:  # no atomic exchange here: the key is missing between two renames
+                aside = self._tmp_for(key)
+                os.replace(final, aside)
+                os.replace(tmp, final)
+                shutil.rmtree(aside, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return final
 
     def delete(self, key: str) -> None:
