@@ -76,7 +76,7 @@ def test_a_full_disk_keeps_the_old_folder_and_no_temporary_one(
     assert (store.path(key) / "adapter_model.safetensors").stat().st_size == 4096
     assert _leftovers(store) == []
 
-    def full(self: Path, data: bytes) -> int:  # noqa: ARG001
+    def full(self: Path, data: bytes) -> int:
         raise OSError(errno.ENOSPC, "No space left on device", str(self))
 
     monkeypatch.setattr(Path, "write_bytes", full)
