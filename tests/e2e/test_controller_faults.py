@@ -4,6 +4,7 @@ with a restart after each: every job ends right, with exactly one training run."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from conftest import add_chat_file
 from raycluster import free_port
 from raycluster import ray_cluster as start_ray_cluster
 from tunefleet.platform.artifacts import ArtifactStore
-from tunefleet.platform.db import Job, JobEvent, session_scope
+from tunefleet.platform.db import Checkpoint, Job, JobEvent, session_scope
 from tunefleet.platform.db.migrate import upgrade
 from tunefleet.platform.jobs import JobCreateRequest, create_job
 from tunefleet.platform.models import ModelRegistry
@@ -238,3 +239,40 @@ def test_sigkill_at_each_step_of_dispatch_loses_nothing_and_trains_once(
     # the restarted controllers said so on the jobs they found running
     messages = [e.message for job_id in ids for e in _events(platform["url"], job_id)]
     assert any(m.startswith("Controller (term ") and "re-attached" in m for m in messages)
+
+
+def test_a_full_disk_at_a_checkpoint_fails_the_job_clearly_and_keeps_the_one_before(
+    platform: dict[str, Any],
+) -> None:
+    """The disk fills up half-way through the checkpoint of step 2 (``ENOSPC`` injected at
+    the write of its optimizer file): the job fails at once (a retry would find the same
+    disk) with an error that says so and how to fix it, and the checkpoint of step 1 is
+    whole."""
+    (job_id,) = _jobs(platform, {"hooli": 1})
+    ctl, log = _controller(platform, failpoint="checkpoint.disk_full@2")
+    try:
+        _wait_terminal(platform, [job_id], [ctl])
+    finally:
+        _stop(ctl)
+    with session_scope(platform["url"]) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "failed", log.read_text()[-3000:]
+        error = job.error
+    assert error is not None and error["code"] == "disk_full", error
+    assert "no space left on the device" in error["message"]
+    assert "checkpoint of step 2" in error["message"]
+    assert "(step 1) is intact" in error["message"] and "Free space" in error["message"]
+    assert _ray_runs(platform)[job_id] == [f"{job_id}-1"]  # not retried
+
+    folder = ArtifactStore(platform["dir"] / "artifacts").path(f"checkpoints/{job_id}")
+    kept = sorted(p.name for p in folder.glob("step-*"))
+    assert kept == ["step-00000001"], kept
+    from safetensors.torch import load_file
+
+    one = folder / "step-00000001"
+    assert load_file(str(one / "optimizer.safetensors"))  # whole: it loads
+    assert json.loads((one / "trainer_state.json").read_text())["step"] == 1
+    assert any((one / "adapter").iterdir())
+    with session_scope(platform["url"]) as s:
+        steps = [c.step for c in s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id))]
+    assert steps == [1]

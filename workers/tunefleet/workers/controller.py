@@ -89,6 +89,8 @@ PAUSE_GRACE_S = 120
 MAX_RUN_FAILURES = 3
 RETRY_BASE_S = 10
 RETRY_MAX_S = 300
+# Failures a run records that the next run would meet again: the job fails at once.
+NOT_RETRIED = frozenset({"disk_full"})
 # A base model whose Serve application failed to deploy is tried again after this long.
 SERVE_RETRY_S = 60
 
@@ -448,6 +450,8 @@ class Controller:
             "TUNEFLEET_MODEL_REGISTRY": str(self.registry.root),
             "TUNEFLEET_RUN_ID": sid,
         }
+        if point := os.environ.get("TUNEFLEET_FAILPOINT"):  # the fault tests' runs too
+            env["TUNEFLEET_FAILPOINT"] = point
         try:
             self.backend.submit_run(sid, job_id, env)
             failpoint("dispatch.after_submit")
@@ -519,10 +523,14 @@ class Controller:
 
     def _run_failed(self, job_id: str, sid: str, message: str, *, submitted: bool = True) -> None:
         """A run failed, or could not even be submitted: retry it after a backoff while the
-        job has failed fewer than MAX_RUN_FAILURES times, else fail the job."""
+        job has failed fewer than MAX_RUN_FAILURES times, else fail the job. A failure the
+        run recorded as one a retry cannot help (``NOT_RETRIED``) fails the job at once."""
         with session_scope(self.db_url) as s:
             failures = s.scalar(select(Job.failures).where(Job.id == job_id)) or 0
-        if failures + 1 < MAX_RUN_FAILURES:
+            recorded = _recorded_error(s, job_id) if submitted else None
+        if recorded is not None and recorded.get("code") in NOT_RETRIED:
+            self._fail(job_id, sid, message)
+        elif failures + 1 < MAX_RUN_FAILURES:
             self._retry(job_id, sid, failures + 1, message)
         elif submitted:
             self._fail(job_id, sid, message)
@@ -601,15 +609,10 @@ class Controller:
 
     def _fail(self, job_id: str, sid: str | None, message: str) -> None:
         with self._writing() as s:
-            recorded = s.scalar(
-                select(JobEvent.data)
-                .where(JobEvent.job_id == job_id, JobEvent.level == "error")
-                .order_by(JobEvent.seq.desc())
-                .limit(1)
-            )
+            recorded = _recorded_error(s, job_id)
             error: dict[str, Any]
-            if recorded and "error" in recorded:
-                error = dict(recorded["error"])
+            if recorded is not None:
+                error = dict(recorded)
             else:  # the run said nothing: its log lines are the operator's, not the tenant's
                 tail = self.backend.run_logs_tail(sid) if sid else ""
                 if tail:
@@ -681,6 +684,17 @@ class Controller:
                     self.ensure_served(base)
                 except RuntimeError as exc:  # its jobs' adapters wait; other bases go on
                     log.warning("%s", exc)
+
+
+def _recorded_error(s: Session, job_id: str) -> dict[str, Any] | None:
+    """The error the job's newest error event carries (a run records its own failure)."""
+    data = s.scalar(
+        select(JobEvent.data)
+        .where(JobEvent.job_id == job_id, JobEvent.level == "error")
+        .order_by(JobEvent.seq.desc())
+        .limit(1)
+    )
+    return data["error"] if data and "error" in data else None
 
 
 def ray_reason(message: str) -> str:

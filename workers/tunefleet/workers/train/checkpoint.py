@@ -18,7 +18,9 @@ made (``load_state``).
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,9 @@ def save(
 ) -> None:
     """Write a checkpoint; ``rng`` holds every rank's ``rng_states()``."""
     save_weights(folder / ADAPTER_DIR, built, spec, gathered["model"] if gathered else None)
+    if os.environ.get("TUNEFLEET_FAILPOINT") == f"checkpoint.disk_full@{extra['step']}":
+        # the fault tests' full disk, half-way through a checkpoint's files
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "optimizer"))
     opt = gathered["optimizer"] if gathered else optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}

@@ -64,6 +64,11 @@ def train_fn(config: dict[str, Any]) -> None:
     train_loop_per_worker(config)
 
 
+class RunFailed(RuntimeError):
+    """The training loop left on a failure it has already recorded on the job (with its
+    own error code), e.g. a full disk at a checkpoint."""
+
+
 def run(job_id: str, run_id: str | None = None) -> None:
     """Run the job's training; ``run_id`` is the Ray job id the controller submitted this
     run under (``TUNEFLEET_RUN_ID``), None when the driver is called directly."""
@@ -121,6 +126,8 @@ def run(job_id: str, run_id: str | None = None) -> None:
         ),
     )
     result = trainer.fit()
+    if failed := (result.metrics or {}).get("failed"):
+        raise RunFailed(failed["message"])  # the loop recorded it on the job
     if not result.metrics or not result.metrics.get("final"):
         log.info("run of %s stopped early on request (%s)", job_id, result.metrics)
         return
@@ -159,6 +166,9 @@ def main() -> None:
     job_id = sys.argv[1]
     try:
         run(job_id, os.environ.get("TUNEFLEET_RUN_ID"))
+    except RunFailed as exc:
+        log.error("run of %s failed: %s", job_id, exc)
+        raise SystemExit(1) from exc
     except BaseException as exc:  # top of the process: record the failure on the job
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         with session_scope(get_settings().resolved_database_url) as s:

@@ -9,6 +9,7 @@ writes to the database and reports checkpoints.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import tempfile
@@ -267,7 +268,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     step, trained_tokens = 0, 0
     with resume:
         if ckpt_dir is not None:
-            saved = ckpt_files.load_state(
+            state = ckpt_files.load_state(
                 ckpt_dir,
                 optimizer,
                 scheduler,
@@ -278,7 +279,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 rank,
                 ray.train.torch.get_device(),
             )
-            step, trained_tokens = int(saved["step"]), int(saved["trained_tokens"])
+            step, trained_tokens = int(state["step"]), int(state["trained_tokens"])
     # Throughput metrics: model FLOPs per token against the device's peak (metrics.py)
     device = ray.train.torch.get_device()
     peak_flops, peak_source = 0.0, ""
@@ -334,41 +335,83 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         )
         reporter.write(training_starts)
 
-    def save_checkpoint(final: bool, metrics: dict[str, Any]) -> None:
-        """Report a checkpoint into the artifact store as ``checkpoints/{job}/step-N``."""
+    saved = [step] if ckpt_dir is not None else []  # steps checkpointed (or restored)
+
+    def save_checkpoint(final: bool, metrics: dict[str, Any]) -> bool:
+        """Report a checkpoint into the artifact store as ``checkpoints/{job}/step-N``;
+        False on every rank when the disk was full (the run must leave: see ``disk_full``)."""
         name = f"step-{step:08d}"
         # sharded: every rank takes part in gathering the full tensors onto rank 0
         gathered = sharding.gather_state(model, optimizer) if sharded else None
         rng = ckpt_files.rng_states(device, world)
+        full = 0
         with tempfile.TemporaryDirectory() as tmp:
             if is_chief:
-                ckpt_files.save(
-                    Path(tmp),
-                    built,
-                    spec,
-                    optimizer,
-                    scheduler,
-                    {"step": step, "trained_tokens": trained_tokens, "micro_batch": micro},
-                    rng,
-                    scaler,
-                    gathered,
-                )
-                ray.train.report(
-                    {**metrics, "step": step, "final": final},
-                    checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                    checkpoint_dir_name=name,
-                )
-                reporter.write(
-                    partial(
-                        record_checkpoint,
-                        job_id=spec.job_id,
-                        step=step,
-                        path=f"{config['checkpoints_key']}/{name}",
-                        metrics=metrics,
+                try:
+                    ckpt_files.save(
+                        Path(tmp),
+                        built,
+                        spec,
+                        optimizer,
+                        scheduler,
+                        {"step": step, "trained_tokens": trained_tokens, "micro_batch": micro},
+                        rng,
+                        scaler,
+                        gathered,
                     )
-                )
+                    ray.train.report(
+                        {**metrics, "step": step, "final": final},
+                        checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                        checkpoint_dir_name=name,
+                    )
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    failed = disk_full(exc)
+                    full = 1
+                    ray.train.report({**metrics, "step": step, "final": False, "failed": failed})
+                else:
+                    saved.append(step)
+                    reporter.write(
+                        partial(
+                            record_checkpoint,
+                            job_id=spec.job_id,
+                            step=step,
+                            path=f"{config['checkpoints_key']}/{name}",
+                            metrics=metrics,
+                        )
+                    )
             else:
                 ray.train.report({**metrics, "step": step, "final": final})
+        if dist.is_available() and dist.is_initialized() and world > 1:
+            flag = torch.tensor([full], device=device)
+            dist.broadcast(flag, src=0)
+            full = int(flag.item())
+        return not full
+
+    def disk_full(exc: OSError) -> dict[str, str | None]:
+        """On the chief, a checkpoint that found the disk full: nothing of it is kept (Ray
+        Train never saw it), the run records why and leaves, and the job fails with this
+        error (not retried: the next run would find the same disk)."""
+        previous = f"step {saved[-1]}" if saved else "none"
+        message = (
+            f"no space left on the device while writing the checkpoint of step {step} "
+            f"({exc.filename or exc.strerror}); the newest checkpoint before it ({previous}) "
+            "is intact. Free space in the artifact store and the workers' temporary "
+            "folder, then create the job again"
+        )
+        failed = {"code": "disk_full", "message": message, "param": None}
+        reporter.write(
+            partial(
+                record_message,
+                job_id=spec.job_id,
+                message=f"Checkpoint failed: {message}",
+                level="error",
+                data={"error": failed},
+            )
+        )
+        reporter.flush(FINAL_WRITE_WAIT_S)
+        return failed
 
     seen: dict[str, Any] = {}  # what the chief last read of the job (status, current run)
 
@@ -537,7 +580,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 )
             if step < total_steps and (stop := requested_stop()):
                 if stop == "paused":
-                    save_checkpoint(False, {"train_loss": last_loss, "stopped": stop})
+                    if not save_checkpoint(False, {"train_loss": last_loss, "stopped": stop}):
+                        return
                     if is_chief:
                         message = f"Paused at step {step}"
                         if seen.get("status") != "paused":  # resumed, or superseded
@@ -548,12 +592,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                         reporter.write(partial(record_message, job_id=spec.job_id, message=message))
                         reporter.flush(FINAL_WRITE_WAIT_S)
                 return
-            if every and step % every == 0 and step % steps_per_epoch and step < total_steps:
-                save_checkpoint(False, {"train_loss": last_loss})
+            due = every and step % every == 0 and step % steps_per_epoch and step < total_steps
+            if due and not save_checkpoint(False, {"train_loss": last_loss}):
+                return
         epoch += 1
-        if step < total_steps:
-            save_checkpoint(False, {"train_loss": last_loss})
+        if step < total_steps and not save_checkpoint(False, {"train_loss": last_loss}):
+            return
 
-    save_checkpoint(True, {"train_loss": last_loss, "trained_tokens": trained_tokens})
+    if not save_checkpoint(True, {"train_loss": last_loss, "trained_tokens": trained_tokens}):
+        return
     if is_chief:  # what waited for the database goes in before the run reports success
         reporter.flush(FINAL_WRITE_WAIT_S)
