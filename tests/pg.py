@@ -6,6 +6,7 @@ in a folder it owns. ``initdb`` + ``pg_ctl start`` take about half a second.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -30,9 +31,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class PgServer:
+    """A running cluster that can be stopped and started again on the same port and data,
+    as an outage of the database server would (``stop`` cuts every connection)."""
+
+    def __init__(self, bindir: Path, base: Path, port: int, opts: str, run_as: list[str]):
+        self.bindir, self.base, self.port, self.opts, self.run_as = bindir, base, port, opts, run_as
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+
+    def _ctl(self, *args: str) -> None:
+        subprocess.run(
+            [*self.run_as, str(self.bindir / "pg_ctl"), "-D", str(self.base / "data"), *args],
+            check=True,
+            capture_output=True,
+        )
+
+    def start(self) -> None:
+        self._ctl("-o", self.opts, "-l", str(self.base / "log"), "-w", "start")
+
+    def stop(self) -> None:
+        self._ctl("-m", "immediate", "-w", "stop")
+
+
 @contextmanager
-def postgres_cluster(*, durable: bool = False) -> Iterator[str]:
-    """Yields a SQLAlchemy URL of a fresh cluster's ``postgres`` database.
+def postgres_server(*, durable: bool = False) -> Iterator[PgServer]:
+    """A fresh cluster, started; stopped and removed afterwards.
 
     The tests' cluster skips ``fsync`` (a commit costs no disk flush); ``durable`` keeps
     PostgreSQL's production defaults (``fsync`` and ``synchronous_commit`` on), for
@@ -42,7 +65,6 @@ def postgres_cluster(*, durable: bool = False) -> Iterator[str]:
         raise RuntimeError("PostgreSQL binaries not found (install postgresql-15)")
     as_root = os.geteuid() == 0
     base = Path(tempfile.mkdtemp(prefix="tunefleet-pg-"))
-    data = base / "data"
     run_as: list[str] = ["runuser", "-u", "postgres", "--"] if as_root else []
     if as_root:
         shutil.chown(base, "postgres")
@@ -53,7 +75,7 @@ def postgres_cluster(*, durable: bool = False) -> Iterator[str]:
             *run_as,
             str(bindir / "initdb"),
             "-D",
-            str(data),
+            str(base / "data"),
             "-A",
             "trust",
             "-U",
@@ -66,30 +88,22 @@ def postgres_cluster(*, durable: bool = False) -> Iterator[str]:
     opts = f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c max_connections=200"
     if not durable:
         opts += " -c fsync=off"
-    subprocess.run(
-        [
-            *run_as,
-            str(bindir / "pg_ctl"),
-            "-D",
-            str(data),
-            "-o",
-            opts,
-            "-l",
-            str(base / "log"),
-            "-w",
-            "start",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    server = PgServer(bindir, base, port, opts, run_as)
+    server.start()
     try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+        yield server
     finally:
-        subprocess.run(
-            [*run_as, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
-            capture_output=True,
-        )
+        with contextlib.suppress(subprocess.CalledProcessError):
+            server.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+@contextmanager
+def postgres_cluster(*, durable: bool = False) -> Iterator[str]:
+    """Yields a SQLAlchemy URL of a fresh cluster's ``postgres`` database (see
+    ``postgres_server``)."""
+    with postgres_server(durable=durable) as server:
+        yield server.url
 
 
 @contextmanager

@@ -7,10 +7,12 @@ path serves a local Ray started in-process (embedded default) and a remote clust
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tunefleet.platform.scheduler import Node
@@ -56,6 +58,7 @@ class RayBackend:
             ray.init(address=self.settings.ray_address, log_to_driver=False)
             dashboard = self.settings.ray_dashboard_url or _dashboard_of(ray)
         else:
+            stop_leftovers(self.settings.data_dir / EMBEDDED_MARKER)
             metrics: dict[str, Any] = {}
             if self.settings.ray_metrics_port is not None:
                 metrics["_metrics_export_port"] = self.settings.ray_metrics_port
@@ -72,6 +75,8 @@ class RayBackend:
                 runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
             )
             dashboard = f"http://{info.dashboard_url}"
+            session_dir = info.address_info["session_dir"]  # type: ignore[attr-defined]
+            note_session(self.settings.data_dir / EMBEDDED_MARKER, session_dir)
         from ray.job_submission import JobSubmissionClient
 
         self._client = JobSubmissionClient(dashboard)
@@ -208,6 +213,61 @@ def _dashboard_of(ray: Any) -> str:
         else ""
     )
     return url if url.startswith("http") else f"http://{url or '127.0.0.1:8265'}"
+
+
+# The embedded Ray's processes carry this in their environment (inherited from the
+# process that starts it, and passed on to runs): the id of the stack that started them.
+EMBEDDED_ENV = "TUNEFLEET_EMBEDDED_RAY"
+EMBEDDED_MARKER = "embedded-ray-id"
+
+
+def stop_leftovers(marker: Path) -> list[int]:
+    """Before an embedded Ray starts: kill what the previous one on this data folder left.
+
+    A `tunefleet up` killed with SIGKILL cannot stop its Ray: its agents (holding the
+    dashboard agent's fixed port, so that the next Ray's Jobs API has no agent) and a run's
+    driver outlive it, the driver until it gives up on the dead GCS and records a failure
+    on a job the next controller runs again. ``marker`` names the previous embedded Ray:
+    the id its processes carry in ``TUNEFLEET_EMBEDDED_RAY`` and its session folder, which
+    the processes that retitle themselves (and so hide their environment) hold files in.
+    Those processes are killed and waited for; then a new id is set for the Ray about to
+    start (``note_session`` adds its session folder). Returns the pids killed."""
+    import secrets
+
+    import psutil
+
+    previous = json.loads(marker.read_text()) if marker.exists() else {}
+    stack, session = previous.get("id"), previous.get("session_dir")
+    found = []
+    if stack or session:
+        for proc in psutil.process_iter():
+            try:
+                if proc.pid == os.getpid():
+                    continue
+                if (stack and proc.environ().get(EMBEDDED_ENV) == stack) or (
+                    session and any(f.path.startswith(session) for f in proc.open_files())
+                ):
+                    proc.kill()
+                    found.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+    if found:
+        psutil.wait_procs(found, timeout=10)  # their ports free before Ray starts again
+        log.warning(
+            "stopped %d process(es) a previous embedded Ray left: %s",
+            len(found),
+            [p.pid for p in found],
+        )
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    stack = secrets.token_hex(8)
+    marker.write_text(json.dumps({"id": stack}))
+    os.environ[EMBEDDED_ENV] = stack  # inherited by the Ray about to start
+    return [p.pid for p in found]
+
+
+def note_session(marker: Path, session_dir: str) -> None:
+    """Record the embedded Ray's session folder next to its id (see ``stop_leftovers``)."""
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "session_dir": session_dir}))
 
 
 def _passthrough_env() -> dict[str, str]:

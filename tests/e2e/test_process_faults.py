@@ -1,0 +1,210 @@
+"""Faults on real processes of the embedded default: `tunefleet up` (API, controller and
+its own local Ray in one process) on PostgreSQL. The database server stops for 10 s while
+a job trains, then `tunefleet up` is killed with SIGKILL mid-training (its Ray goes with
+it) and started again: the job continues from its newest checkpoint, succeeds exactly
+once, and its events and metrics are complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from conftest import auth
+from pg import PgServer, postgres_server
+from raycluster import free_port
+
+pytestmark = pytest.mark.slow
+
+TINY = "tiny-llama"
+EVERY = 10  # checkpoint every this many steps
+OUTAGE_S = 10
+
+
+@pytest.fixture
+def database() -> Iterator[PgServer]:
+    """A PostgreSQL server of this test's own, so that stopping it touches nothing else."""
+    with postgres_server() as server:
+        yield server
+
+
+def _up(env: dict[str, str], log_path: Path, nth: int) -> subprocess.Popen[bytes]:
+    """The ``nth`` `tunefleet up` on this data, once it says it is ready."""
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tunefleet.cli.main", "up", "--no-builtin-model"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 180
+    while log_path.read_text().count("Ready. Ctrl-C stops.") < nth:
+        assert proc.poll() is None, log_path.read_text()[-4000:]
+        assert time.monotonic() < deadline, "tunefleet up did not become ready"
+        time.sleep(0.3)
+    return proc
+
+
+def _embedded_ray_processes(data: Path) -> list[psutil.Process]:
+    """The processes of the embedded Ray that `tunefleet up` on ``data`` started."""
+    marker = json.loads((data / "embedded-ray-id").read_text())
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("TUNEFLEET_EMBEDDED_RAY") == marker["id"] or any(
+                f.path.startswith(marker["session_dir"]) for f in proc.open_files()
+            ):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _job(client: httpx.Client, job_id: str) -> dict[str, Any]:
+    return dict(client.get(f"/v1/fine_tuning/jobs/{job_id}").json())
+
+
+def _events(client: httpx.Client, job_id: str) -> list[dict[str, Any]]:
+    """Every event of the job, oldest first (paging through the API)."""
+    out: list[dict[str, Any]] = []
+    after = None
+    while True:
+        params: dict[str, Any] = {"limit": 100, **({"after": after} if after else {})}
+        page = client.get(f"/v1/fine_tuning/jobs/{job_id}/events", params=params).json()
+        out.extend(page["data"])
+        if not page["has_more"]:
+            return out[::-1]
+        after = page["data"][-1]["id"]
+
+
+def _wait_step(client: httpx.Client, job_id: str, step: int, timeout: float = 240) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        steps = [e["data"]["step"] for e in _events(client, job_id) if e["type"] == "metrics"]
+        if steps and steps[-1] >= step:
+            return int(steps[-1])
+        job = _job(client, job_id)
+        assert job["status"] in ("validating_files", "queued", "running"), (
+            job.get("error"),
+            [e["message"][:200] for e in _events(client, job_id)][-8:],
+        )
+        assert time.monotonic() < deadline, f"step {step} not reached: {steps[-3:]}"
+        time.sleep(0.5)
+
+
+def test_postgres_away_then_tunefleet_up_killed_mid_training_lose_nothing(
+    tmp_path: Path, tiny_registry: Path, database: PgServer
+) -> None:
+    env = {
+        **os.environ,
+        "TUNEFLEET_DATA_DIR": str(tmp_path),
+        "TUNEFLEET_DATABASE_URL": database.url,
+        "TUNEFLEET_MODEL_REGISTRY": str(tiny_registry),
+        "TUNEFLEET_API_PORT": str(free_port()),
+        "TUNEFLEET_SERVE_PORT": str(free_port()),
+        "TUNEFLEET_RAY_DASHBOARD_PORT": str(free_port()),
+        "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
+        "TUNEFLEET_CONTROLLER_LEASE_TTL_S": "3",
+    }
+    log_path = tmp_path / "up.log"
+    up = _up(env, log_path, 1)
+    try:
+        url = f"http://127.0.0.1:{env['TUNEFLEET_API_PORT']}"
+        printed = re.search(r"export OPENAI_API_KEY=(tf-\S+)", log_path.read_text())
+        assert printed, log_path.read_text()
+        client = httpx.Client(base_url=url, timeout=60, headers=auth(printed.group(1)))
+        rows = [
+            {
+                "messages": [
+                    {"role": "user", "content": f"say {i}"},
+                    {"role": "assistant", "content": f"{i}"},
+                ]
+            }
+            for i in range(8)
+        ]
+        body = "".join(json.dumps(r) + "\n" for r in rows).encode()
+        f = client.post(
+            "/v1/files", data={"purpose": "fine-tune"}, files={"file": ("t.jsonl", body)}
+        ).json()
+        job_id = client.post(
+            "/v1/fine_tuning/jobs",
+            json={
+                "model": TINY,
+                "training_file": f["id"],
+                "seed": 3,
+                "hyperparameters": {"n_epochs": 50, "batch_size": 1},
+                "tunefleet": {"checkpoint_every_steps": EVERY},
+            },
+        ).json()["id"]
+
+        # The database server stops for 10 s while the job trains.
+        before = _wait_step(client, job_id, 3)
+        database.stop()
+        time.sleep(OUTAGE_S)
+        database.start()
+        after = _wait_step(client, job_id, before + 1)
+
+        # Then `tunefleet up` dies mid-training, past at least one checkpoint.
+        _wait_step(client, job_id, max(after, EVERY) + 3)
+        up.send_signal(signal.SIGKILL)
+        up.wait(30)
+        folder = tmp_path / "artifacts" / "checkpoints" / job_id
+        checkpoints = sorted(int(p.name.split("-")[1]) for p in folder.glob("step-*"))
+        assert checkpoints, "no checkpoint before the kill"
+
+        # Its embedded Ray's agents and the run's driver outlive it (about a minute, until
+        # they give up on the dead GCS); the restart stops them before Ray starts again.
+        leftovers = _embedded_ray_processes(tmp_path)
+        assert leftovers, "nothing of the killed stack's Ray was left to stop"
+        up = _up(env, log_path, 2)
+        assert not any(p.is_running() for p in leftovers)
+        assert re.search(
+            r"stopped \d+ process\(es\) a previous embedded Ray left", log_path.read_text()
+        )
+        deadline = time.monotonic() + 400
+        while (job := _job(client, job_id))["status"] not in ("succeeded", "failed", "cancelled"):
+            assert time.monotonic() < deadline, job
+            assert up.poll() is None, log_path.read_text()[-4000:]
+            time.sleep(1)
+        assert job["status"] == "succeeded", (job, log_path.read_text()[-4000:])
+
+        events = _events(client, job_id)
+        messages = [e["message"] for e in events]
+        assert sum(m.startswith("The job has successfully completed") for m in messages) == 1
+        metrics = [e["data"] for e in events if e["type"] == "metrics"]
+        total = metrics[-1]["total_steps"]
+        steps = [m["step"] for m in metrics]
+        # the next run went on from the newest checkpoint (its workers outlived the kill by a
+        # moment: it may be newer than the newest seen then)
+        resumed = [int(m.rsplit(" ", 1)[1]) for m in messages if "resumed at step" in m]
+        assert len(resumed) == 1 and resumed[0] >= checkpoints[-1], (resumed, checkpoints)
+        newest = resumed[0]
+        # every step is there, the outage's included; the steps trained past the newest
+        # checkpoint before the kill appear twice
+        assert sorted(set(steps)) == list(range(1, total + 1)), steps
+        restarted = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+        assert steps[:restarted] == list(range(1, steps[restarted - 1] + 1)), steps
+        assert steps[restarted - 1] >= newest and steps[restarted] == newest + 1, steps
+        assert steps[restarted:] == list(range(newest + 1, total + 1)), steps
+        # no run recorded a failure: the killed one's driver was stopped before it could
+        assert not [e for e in events if e["level"] == "error"], messages
+    finally:
+        print(log_path.read_text()[-8000:])  # shown when the test fails
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGTERM)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
