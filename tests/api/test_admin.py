@@ -99,9 +99,7 @@ def test_a_tenant_waiting_jobs_are_capped(app_client: TestClient, settings: Sett
     listed = app_client.get("/v1/fine_tuning/jobs", headers=H(key)).json()["data"]
     assert len(listed) == 2  # nothing stored for the refused create
 
-    cancelled = app_client.post(
-        f"/v1/fine_tuning/jobs/{first.json()['id']}/cancel", headers=H(key)
-    )
+    cancelled = app_client.post(f"/v1/fine_tuning/jobs/{first.json()['id']}/cancel", headers=H(key))
     assert cancelled.status_code == 200
     assert app_client.post("/v1/fine_tuning/jobs", headers=H(key), json=body).status_code == 200
     raised = app_client.patch(

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
@@ -19,6 +19,18 @@ from tunefleet.platform.errors import TuneFleetError
 log = logging.getLogger(__name__)
 
 DATABASE_RETRY_AFTER_S = 2
+
+
+class RequestTooLarge(HTTPException):
+    """413, raised while a request body is read (``tunefleet.api.body_limits``). A starlette
+    ``HTTPException`` because FastAPI lets those through its body parsing, where any other
+    exception becomes a 400 "There was an error parsing the body"."""
+
+    def __init__(self, message: str, *, param: str | None, code: str) -> None:
+        super().__init__(status_code=413, detail=message)
+        self.message = message
+        self.param = param
+        self.code = code
 
 
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
@@ -34,13 +46,44 @@ def _got(error: Any) -> str:
     return f" (got {shown})" if len(shown) <= 80 else f" (got {shown[:77]}...)"
 
 
+def too_large_response(exc: RequestTooLarge) -> JSONResponse:
+    return JSONResponse(
+        status_code=413,
+        content=error_body(exc.message, "invalid_request_error", exc.param, exc.code),
+    )
+
+
+def domain_error_response(exc: TuneFleetError) -> JSONResponse:
+    return JSONResponse(
+        status_code=exc.status_code,
+        content=error_body(exc.message, exc.error_type, exc.param, exc.code),
+    )
+
+
+def database_unavailable_response(exc: Exception) -> JSONResponse:
+    """503 with ``Retry-After``: the database is down, restarting, locked or out of
+    connections, and a retry helps."""
+    log.warning("database unavailable: %s", (str(exc).splitlines() or [""])[0][:300])
+    return JSONResponse(
+        status_code=503,
+        content=error_body(
+            "the database is unavailable for the moment; retry shortly",
+            "server_error",
+            None,
+            "database_unavailable",
+        ),
+        headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TuneFleetError)
     async def _domain(_: Request, exc: TuneFleetError) -> JSONResponse:
-        return JSONResponse(
-            status_code=exc.status_code,
-            content=error_body(exc.message, exc.error_type, exc.param, exc.code),
-        )
+        return domain_error_response(exc)
+
+    @app.exception_handler(RequestTooLarge)
+    async def _too_large(_: Request, exc: RequestTooLarge) -> JSONResponse:
+        return too_large_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -51,28 +94,40 @@ def install_error_handlers(app: FastAPI) -> None:
         # a value the request carried, refused by a model the route builds from it
         return _invalid(exc.errors())
 
+    @app.exception_handler(DataError)
+    async def _refused_value(_: Request, exc: DataError) -> JSONResponse:
+        # PostgreSQL refuses a value the request carried that no check before it caught
+        # (a NUL character, a string over its column's length): the request's fault
+        reason = (str(exc.orig).splitlines() or ["invalid value"])[0][:200]
+        return JSONResponse(
+            status_code=400,
+            content=error_body(
+                f"invalid request: a value in it cannot be stored or looked up ({reason}); "
+                "ids and names hold no NUL characters and keep to their documented lengths",
+                "invalid_request_error",
+                None,
+                "invalid_value",
+            ),
+        )
+
     @app.exception_handler(OperationalError)
     @app.exception_handler(PoolTimeout)
     async def _database(_: Request, exc: Exception) -> JSONResponse:
-        # the database is down, restarting, locked or out of connections: a retry helps
-        log.warning("database unavailable: %s", str(exc).splitlines()[0][:300])
-        return JSONResponse(
-            status_code=503,
-            content=error_body(
-                "the database is unavailable for the moment; retry shortly",
-                "server_error",
-                None,
-                "database_unavailable",
-            ),
-            headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
-        )
+        return database_unavailable_response(exc)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        # starlette's own refusals: a body it cannot parse (400), a method (405)
+        client = exc.status_code < 500
         return JSONResponse(
             status_code=exc.status_code,
-            content=error_body(str(exc.detail), type_, None, None),
+            content=error_body(
+                str(exc.detail),
+                "invalid_request_error" if client else "server_error",
+                None,
+                "invalid_request" if client else "internal_error",
+            ),
+            headers=exc.headers,
         )
 
     @app.exception_handler(Exception)
@@ -91,8 +146,21 @@ def _invalid(errors: Any) -> JSONResponse:
     OpenAI SDKs do not raise as ``BadRequestError``): every refused field named, with the
     value it had."""
     errors = list(errors)
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    first: dict[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        # FastAPI locates a JSON syntax error at ("body", character offset): not a field
+        reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return JSONResponse(
+            status_code=400,
+            content=error_body(
+                f"invalid request: the body is not valid JSON ({reason} at character "
+                f"{first.get('loc', ('', '?'))[-1]}); send a JSON object",
+                "invalid_request_error",
+                None,
+                "invalid_request",
+            ),
+        )
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
     param = ".".join(loc) or None
     detail = "; ".join(
         f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}" + _got(e)

@@ -65,7 +65,7 @@ def _check_chat(obj: dict[str, Any]) -> list[str]:
             problems.append(f"{where} must be an object, got {type(msg).__name__}")
             continue
         role = msg.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             problems.append(f"{where}.role is {role!r}; use one of {', '.join(sorted(CHAT_ROLES))}")
             continue
         content = msg.get("content")
@@ -120,6 +120,12 @@ def validate_lines(lines: Iterable[bytes]) -> ValidationReport:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
             report.error(line_no, f"not valid JSON ({exc.msg} at column {exc.colno})")
+            continue
+        except ValueError as exc:  # an integer past Python's digit limit
+            report.error(line_no, f"not valid JSON ({str(exc).split(':')[0]}); shorten it")
+            continue
+        except RecursionError:
+            report.error(line_no, "JSON nested too deeply to read; flatten the example")
             continue
         fmt = detect_format(obj) if isinstance(obj, dict) else None
         if fmt is None:

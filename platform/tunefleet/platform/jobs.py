@@ -15,7 +15,14 @@ import time
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from sqlalchemy import Executable, Row, and_, bindparam, exists, func, insert, select
 from sqlalchemy.orm import Session
 
@@ -88,6 +95,18 @@ class MethodIn(BaseModel):
     supervised: SupervisedIn | None = None
 
 
+def _too_big(value: Any) -> int | None:
+    """The first integer in ``value`` (nested lists and objects too) outside 64 bits."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if not -(2**63) <= value < 2**64 else None
+    children = value.values() if isinstance(value, dict) else value
+    if isinstance(value, dict | list):
+        for child in children:
+            if (big := _too_big(child)) is not None:
+                return big
+    return None
+
+
 class JobCreateRequest(BaseModel):
     """Body of ``POST /v1/fine_tuning/jobs``."""
 
@@ -120,6 +139,18 @@ class JobCreateRequest(BaseModel):
         if v is not None and len(v) > 16:
             raise ValueError(f"metadata has {len(v)} keys; at most 16 are allowed")
         return v
+
+    @model_validator(mode="after")
+    def _storable_extras(self) -> JobCreateRequest:
+        """Fields TuneFleet does not know are kept with the stored request; a JSON column
+        holds integers of at most 64 bits, so a larger one is refused, not a 500."""
+        for key, value in (self.model_extra or {}).items():
+            if (big := _too_big(value)) is not None:
+                raise ValueError(
+                    f"field {key!r} holds the integer {big}, beyond 64 bits, which cannot be "
+                    "stored; send it as a string or leave the field out"
+                )
+        return self
 
     def resolved_hyperparameters(self) -> Hyperparameters:
         hp = self.hyperparameters or HyperparametersIn()

@@ -26,7 +26,7 @@ import orjson
 from pydantic import ValidationError
 
 from tunefleet.platform.errors import InvalidRequest
-from tunefleet.platform.spec import JobSpec, TuneFleetOptions
+from tunefleet.platform.spec import LINEAR_MODULES, JobSpec, TuneFleetOptions
 
 GiB = 1024**3
 
@@ -37,7 +37,6 @@ Method = Literal[
 ]
 Optimizer = Literal["adamw", "adamw_8bit"]
 
-LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NF4_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax constant per 64 weights
 DQ_BLOCK = 256  # double quantization: absmaxes in 8 bits, one fp32 constant per 256 of them
 

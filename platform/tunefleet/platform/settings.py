@@ -85,7 +85,24 @@ class Settings(BaseSettings):
         default=2, gt=0, description="How often replicas re-read merged/pinned adapters."
     )
     max_upload_bytes: int = Field(
-        default=512 * 1024 * 1024, description="Largest accepted file upload, in bytes."
+        default=512 * 1024 * 1024, gt=0, description="Largest accepted file upload, in bytes."
+    )
+    # The largest real control body (a job with 16 metadata pairs and every tunefleet
+    # option) is a few KiB: 1 MiB leaves wide room and bounds what one request can make
+    # the API parse and hold.
+    max_json_body_bytes: int = Field(
+        default=1024 * 1024,
+        gt=0,
+        description="Largest JSON body of a control route (jobs, plans, models, admin), "
+        "in bytes; counted while the body is read.",
+    )
+    # A chat request carries its whole conversation: a 128k-token context is ~512 KB of
+    # text, up to ~3 MB once JSON escapes non-ASCII characters (\uXXXX); 8 MiB holds that
+    # and a list of prompts to /v1/completions.
+    max_inference_body_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        gt=0,
+        description="Largest body of /v1/chat/completions and /v1/completions, in bytes.",
     )
     device_memory_gb: float = Field(
         default=80, description="Accelerator memory per worker the planner plans for (GiB)."

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SPEC_VERSION: Literal[1] = 1
 
@@ -42,6 +42,22 @@ PEFT_METHODS = ("lora", "qlora", "ia3", "prefix_tuning", "prompt_tuning")
 # the workers: ZeRO-3 frees a layer's gathered parameters after its forward, ZeRO-2 keeps
 # them until the backward; zero3_offload also keeps the shards in host memory (GPUs).
 Strategy = Literal["ddp", "zero2", "zero3", "zero3_offload"]
+# The linear modules of a Llama-family decoder layer: what LoRA and (IA)^3 may target
+# (the memory planner counts their parameters by these names).
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _check_targets(field: str, targets: list[str], *, all_linear: bool) -> list[str]:
+    if all_linear and targets == ["all-linear"]:
+        return targets
+    unknown = [t for t in targets if t not in LINEAR_MODULES]
+    if unknown:
+        also = " or ['all-linear']" if all_linear else ""
+        raise ValueError(
+            f"{field} {unknown!r} are not linear modules of a Llama-family layer; use some "
+            f"of {', '.join(LINEAR_MODULES)}{also}"
+        )
+    return targets
 
 
 class _Frozen(BaseModel):
@@ -69,6 +85,11 @@ class LoraOptions(_Frozen):
         description="DoRA: learn a magnitude per output and a LoRA direction (served merged).",
     )
 
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        return _check_targets("lora.target_modules", v, all_linear=True)
+
 
 class QLoraOptions(_Frozen):
     """How QLoRA quantizes the frozen base (bitsandbytes)."""
@@ -90,6 +111,21 @@ class IA3Options(_Frozen):
         default_factory=lambda: ["down_proj"],
         description="Targets whose input (not output) is rescaled; a subset of targets.",
     )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        return _check_targets("ia3.target_modules", v, all_linear=False)
+
+    @model_validator(mode="after")
+    def _feedforward_among_targets(self) -> IA3Options:
+        extra = [m for m in self.feedforward_modules if m not in self.target_modules]
+        if extra:
+            raise ValueError(
+                f"ia3.feedforward_modules {extra!r} are not among ia3.target_modules "
+                f"{self.target_modules!r}; add them there or leave them out"
+            )
+        return self
 
 
 class VirtualTokenOptions(_Frozen):

@@ -19,6 +19,9 @@ from tunefleet.platform.ids import new_id
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 PREFIX_LEN = 11  # "tf-" + 8
+# What create_key makes ("tf-" and URL-safe characters); anything else is refused before
+# it reaches the database (which cannot even compare some strings, e.g. with NUL).
+_KEY_RE = re.compile(r"tf-[A-Za-z0-9_-]{8,128}")
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,12 @@ def authenticate(session: Session, authorization: str | None) -> Principal:
             "`tunefleet admin create-key`)"
         )
     token = authorization[7:].strip()
+    if not _KEY_RE.fullmatch(token):
+        shown = repr(token[:PREFIX_LEN]) + ("..." if len(token) > PREFIX_LEN else "")
+        raise Unauthenticated(
+            f"API key {shown} is not a TuneFleet key; keys look like 'tf-' followed by "
+            "43 letters and digits (create one with `tunefleet admin create-key`)"
+        )
     digest = _hash(token)
     cached = _AUTH_CACHE.get(digest)
     if cached is not None and cached[0] > time.monotonic():

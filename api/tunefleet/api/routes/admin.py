@@ -38,7 +38,7 @@ async def require_admin(principal: PrincipalDep) -> Principal:
 
 
 AdminDep = Annotated[Principal, Depends(require_admin)]
-router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=errors(401, 403, 503))
+router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=errors(403))
 
 
 class TenantCreate(BaseModel):
@@ -60,7 +60,7 @@ class TenantUpdate(BaseModel):
 
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = ""
+    name: str = Field(default="", max_length=128, description="A label for the key.")
     admin: bool = False
 
 
@@ -97,7 +97,7 @@ def list_tenants(session: SessionDep, _: AdminDep) -> dict[str, Any]:
     return {"object": "list", "data": [tenant_view(t, active.get(t.id, 0)) for t in rows]}
 
 
-@router.post("/tenants", responses={**ok(NewTenant), **errors(400, 409, 413)})
+@router.post("/tenants", responses={**ok(NewTenant), **errors(409)})
 def add_tenant(body: TenantCreate, session: SessionDep, _: AdminDep) -> dict[str, Any]:
     tenant = create_tenant(
         session,
@@ -111,7 +111,7 @@ def add_tenant(body: TenantCreate, session: SessionDep, _: AdminDep) -> dict[str
     return {**tenant_view(tenant), "api_key": plaintext, "key_id": key.id}
 
 
-@router.patch("/tenants/{tenant_id}", responses={**ok(TenantObject), **errors(400, 404, 413)})
+@router.patch("/tenants/{tenant_id}", responses={**ok(TenantObject), **errors(404)})
 def update_tenant(
     tenant_id: str, body: TenantUpdate, session: SessionDep, _: AdminDep
 ) -> dict[str, Any]:
@@ -123,7 +123,7 @@ def update_tenant(
     return tenant_view(tenant)
 
 
-@router.post("/tenants/{tenant_id}/keys", responses={**ok(NewKey), **errors(400, 404, 413)})
+@router.post("/tenants/{tenant_id}/keys", responses={**ok(NewKey), **errors(404)})
 def add_key(tenant_id: str, body: KeyCreate, session: SessionDep, _: AdminDep) -> dict[str, Any]:
     tenant = _tenant(session, tenant_id)
     key, plaintext = create_key(session, tenant.id, name=body.name, is_admin=body.admin)
@@ -149,7 +149,7 @@ def revoke_key(key_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
     return {"id": key.id, "object": "api_key", "prefix": key.prefix, "revoked": True}
 
 
-@router.get("/jobs", responses={**ok(AdminJobList), **errors(400)})
+@router.get("/jobs", responses=ok(AdminJobList))
 def all_jobs(
     session: SessionDep,
     _: AdminDep,
@@ -188,9 +188,7 @@ def all_adapters(session: SessionDep, _: AdminDep, base_model: str | None = None
     }
 
 
-@router.patch(
-    "/adapters/{model:path}", responses={**ok(AdapterServing), **errors(400, 404, 413)}
-)
+@router.patch("/adapters/{model:path}", responses={**ok(AdapterServing), **errors(404)})
 def update_serving(
     model: str, body: ServingUpdate, session: SessionDep, _: AdminDep
 ) -> dict[str, Any]:

@@ -6,19 +6,21 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import anyio.to_thread
-from fastapi import APIRouter, Form, Request, UploadFile
+from fastapi import APIRouter, Form, UploadFile
 from fastapi.responses import StreamingResponse
 from sqlalchemy import delete, exists, or_, select
 
 from tunefleet.api.deps import PrincipalDep, SessionDep, SettingsDep, StoreDep
+from tunefleet.api.openapi import Deleted, FileList, FileObject, errors, ok
 from tunefleet.platform.datasets import raise_for_report, validate_file
 from tunefleet.platform.db import File, Job, now_s
-from tunefleet.platform.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
+from tunefleet.platform.errors import Conflict, InvalidRequest, NotFound
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.status import TERMINAL
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 PURPOSES = {"fine-tune"}
+MAX_FILENAME = 512  # files.filename's column
 
 
 def file_view(f: File) -> dict[str, Any]:
@@ -42,9 +44,8 @@ def _get(session: SessionDep, principal: PrincipalDep, file_id: str) -> File:
     return f
 
 
-@router.post("")
+@router.post("", responses=ok(FileObject))
 async def upload_file(
-    request: Request,
     file: UploadFile,
     purpose: Annotated[str, Form()],
     session: SessionDep,
@@ -56,11 +57,12 @@ async def upload_file(
         raise InvalidRequest(
             f"purpose {purpose!r} is not supported; use 'fine-tune'", param="purpose"
         )
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > settings.max_upload_bytes + 64 * 1024:
-        raise PayloadTooLarge(
-            f"upload of {declared} bytes exceeds the limit of {settings.max_upload_bytes} "
-            "bytes; split the file or raise TUNEFLEET_MAX_UPLOAD_BYTES",
+    filename = file.filename or "upload.jsonl"
+    if len(filename) > MAX_FILENAME or "\x00" in filename:
+        shown = repr(filename[:40]) + ("..." if len(filename) > 40 else "")
+        raise InvalidRequest(
+            f"file name {shown} ({len(filename)} characters) is not accepted; rename the "
+            f"file to at most {MAX_FILENAME} characters, without NUL characters",
             param="file",
         )
     file_id = new_id("file")
@@ -71,7 +73,6 @@ async def upload_file(
             yield chunk
 
     size = await store.write_stream(key, chunks(), settings.max_upload_bytes)
-    filename = file.filename or "upload.jsonl"
     try:
         # Reading a file of up to max_upload_bytes is real work: off the event loop.
         report = await anyio.to_thread.run_sync(validate_file, store.path(key))
@@ -96,7 +97,7 @@ async def upload_file(
     return file_view(row)
 
 
-@router.get("")
+@router.get("", responses=ok(FileList))
 async def list_files(
     session: SessionDep, principal: PrincipalDep, purpose: str | None = None
 ) -> dict[str, Any]:
@@ -107,12 +108,19 @@ async def list_files(
     return {"object": "list", "data": [file_view(f) for f in rows], "has_more": False}
 
 
-@router.get("/{file_id}")
+@router.get("/{file_id}", responses={**ok(FileObject), **errors(404)})
 async def get_file(file_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     return file_view(_get(session, principal, file_id))
 
 
-@router.get("/{file_id}/content")
+@router.get(
+    "/{file_id}/content",
+    response_class=StreamingResponse,
+    responses={
+        **ok({"content": {"application/jsonl": {"schema": {"type": "string"}}}}, "The file."),
+        **errors(404),
+    },
+)
 def file_content(
     file_id: str, session: SessionDep, principal: PrincipalDep, store: StoreDep
 ) -> StreamingResponse:
@@ -120,7 +128,7 @@ def file_content(
     return StreamingResponse(store.read_chunks(f.path), media_type="application/jsonl")
 
 
-@router.delete("/{file_id}")
+@router.delete("/{file_id}", responses={**ok(Deleted), **errors(404, 409)})
 async def delete_file(
     file_id: str, session: SessionDep, principal: PrincipalDep, store: StoreDep
 ) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 from fastapi import APIRouter, Request
@@ -14,6 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.orm import Session
 
 from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep
+from tunefleet.api.openapi import errors, ok
 from tunefleet.platform.errors import InvalidRequest, NotFound, Unavailable
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.serving import visible_adapter
@@ -22,8 +24,56 @@ from tunefleet.platform.tenants import Principal
 
 router = APIRouter(prefix="/v1", tags=["inference"])
 
+# The body is forwarded to Serve as it came (Serve validates it), so FastAPI does not parse
+# it; the document still says what to send.
+_MODEL: dict[str, Any] = {"type": "string", "minLength": 1, "description": "A base or tuned model."}
+_CHAT_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        "model": _MODEL,
+        "messages": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+            },
+        },
+        "stream": {"type": "boolean"},
+        "max_completion_tokens": {"type": "integer", "minimum": 1},
+    },
+}
+_COMPLETION_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {
+        "model": _MODEL,
+        "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "stream": {"type": "boolean"},
+        "max_tokens": {"type": "integer", "minimum": 1},
+    },
+}
+# Without Ray, or before a base model's first adapter is ready, serving answers 503.
+_ANSWERS = {
+    **ok(
+        {
+            "content": {
+                "application/json": {"schema": {"type": "object"}},
+                "text/event-stream": {"schema": {"type": "string"}},
+            }
+        },
+        "The completion from Serve (or its server-sent events with stream: true).",
+    ),
+    **errors(404, 503),
+}
 
-@router.post("/chat/completions")
+
+def _body(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+@router.post("/chat/completions", responses=_ANSWERS, openapi_extra=_body(_CHAT_BODY))
 async def chat_completions(
     request: Request,
     session: SessionDep,
@@ -34,7 +84,7 @@ async def chat_completions(
     return await _forward("chat/completions", request, session, principal, registry, settings)
 
 
-@router.post("/completions")
+@router.post("/completions", responses=_ANSWERS, openapi_extra=_body(_COMPLETION_BODY))
 async def completions(
     request: Request,
     session: SessionDep,

@@ -16,6 +16,7 @@ from tunefleet.api.deps import (
     StatementSessionDep,
     StoreDep,
 )
+from tunefleet.api.openapi import CheckpointList, EventList, JobList, JobObject, errors, ok
 from tunefleet.api.responses import FastJSONResponse
 from tunefleet.platform.db import Checkpoint, Job
 from tunefleet.platform.errors import NotFound, TuneFleetError
@@ -41,14 +42,21 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 S = JobStatus
 
 
-@router.post("")
+@router.post("", responses={**ok(JobObject), **errors(404, 429)})
 async def create(
     body: JobCreateRequest,
     session: StatementSessionDep,
     principal: PrincipalDep,
     registry: RegistryDep,
     settings: SettingsDep,
-    idempotency_key: Annotated[str | None, Header()] = None,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            min_length=1,
+            max_length=256,
+            description="Retries with the same key answer with the job the first made.",
+        ),
+    ] = None,
 ) -> FastJSONResponse:
     def existing() -> Job | None:
         if idempotency_key is None:
@@ -78,7 +86,7 @@ async def create(
     return FastJSONResponse(job_view(job))
 
 
-@router.get("")
+@router.get("", responses={**ok(JobList), **errors(404)})
 async def list_jobs(
     request: Request,
     session: StatementSessionDep,
@@ -122,14 +130,14 @@ def _metadata_filter(request: Request) -> dict[str, str]:
     return out
 
 
-@router.get("/{job_id}")
+@router.get("/{job_id}", responses={**ok(JobObject), **errors(404)})
 async def retrieve(
     job_id: str, session: StatementSessionDep, principal: PrincipalDep
 ) -> FastJSONResponse:
     return FastJSONResponse(job_view(get_job(session, principal, job_id)))
 
 
-@router.post("/{job_id}/cancel")
+@router.post("/{job_id}/cancel", responses={**ok(JobObject), **errors(404, 409)})
 async def cancel(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     job = get_job(session, principal, job_id)
     transition(
@@ -144,7 +152,7 @@ async def cancel(job_id: str, session: SessionDep, principal: PrincipalDep) -> d
     return job_view(job)
 
 
-@router.post("/{job_id}/pause")
+@router.post("/{job_id}/pause", responses={**ok(JobObject), **errors(404, 409)})
 async def pause(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     """A running job checkpoints at its next step and stops; a queued one just waits."""
     job = get_job(session, principal, job_id)
@@ -154,7 +162,7 @@ async def pause(job_id: str, session: SessionDep, principal: PrincipalDep) -> di
     return job_view(job)
 
 
-@router.post("/{job_id}/resume")
+@router.post("/{job_id}/resume", responses={**ok(JobObject), **errors(404, 409)})
 async def resume(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     """Queue a paused job again; its next run continues from its newest checkpoint."""
     job = get_job(session, principal, job_id)
@@ -164,7 +172,7 @@ async def resume(job_id: str, session: SessionDep, principal: PrincipalDep) -> d
     return job_view(job)
 
 
-@router.get("/{job_id}/events")
+@router.get("/{job_id}/events", responses={**ok(EventList), **errors(404)})
 async def events(
     job_id: str,
     session: StatementSessionDep,
@@ -179,7 +187,7 @@ async def events(
     return {"object": "list", "data": [event_view(e) for e in rows], "has_more": has_more}
 
 
-@router.get("/{job_id}/checkpoints")
+@router.get("/{job_id}/checkpoints", responses={**ok(CheckpointList), **errors(404)})
 async def checkpoints(
     job_id: str,
     session: StatementSessionDep,

@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep
+from tunefleet.api.openapi import ModelList, ModelObject, Shares, errors, ok
 from tunefleet.platform.db import Adapter, Tenant
 from tunefleet.platform.errors import NotFound
 from tunefleet.platform.serving import (
@@ -46,7 +47,7 @@ def _shares_view(session: SessionDep, adapter: Adapter) -> dict[str, Any]:
     return {"object": "list", "model": adapter.name, "data": shares(session, adapter)}
 
 
-@router.get("")
+@router.get("", responses=ok(ModelList))
 async def list_models(
     session: SessionDep, principal: PrincipalDep, registry: RegistryDep
 ) -> dict[str, Any]:
@@ -55,13 +56,13 @@ async def list_models(
     return {"object": "list", "data": data}
 
 
-@router.get("/{model:path}/shares")
+@router.get("/{model:path}/shares", responses={**ok(Shares), **errors(404)})
 async def list_shares(model: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     """Tenants the caller's model is shared with."""
     return _shares_view(session, owned_adapter(session, principal.tenant_id, model))
 
 
-@router.post("/{model:path}/shares")
+@router.post("/{model:path}/shares", responses={**ok(Shares), **errors(404)})
 async def create_share(
     model: str, body: ShareCreate, session: SessionDep, principal: PrincipalDep
 ) -> dict[str, Any]:
@@ -72,7 +73,7 @@ async def create_share(
     return _shares_view(session, adapter)
 
 
-@router.delete("/{model:path}/shares/{tenant}")
+@router.delete("/{model:path}/shares/{tenant}", responses={**ok(Shares), **errors(404)})
 async def delete_share(
     model: str, tenant: str, session: SessionDep, principal: PrincipalDep
 ) -> dict[str, Any]:
@@ -82,7 +83,7 @@ async def delete_share(
     return _shares_view(session, adapter)
 
 
-@router.get("/{model:path}")
+@router.get("/{model:path}", responses={**ok(ModelObject), **errors(404)})
 async def retrieve_model(
     model: str, session: SessionDep, principal: PrincipalDep, registry: RegistryDep
 ) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from fastapi import APIRouter
 from pydantic import Field
 
 from tunefleet.api.deps import PrincipalDep, RegistryDep, SettingsDep
+from tunefleet.api.openapi import Plan, ok
 from tunefleet.platform.jobs import JobCreateRequest
 from tunefleet.platform.planner import PlanDevice, plan_for_spec
 from tunefleet.platform.spec import JobSpec, TuneFleetOptions
@@ -19,15 +20,22 @@ router = APIRouter(prefix="/v1/plans", tags=["planner"])
 
 
 class PlanRequest(JobCreateRequest):
+    # Upper bounds far above any machine, so that the byte counts stay finite numbers.
     device_memory_gb: float | None = Field(
-        default=None, gt=0, description="Accelerator memory per worker; default from settings."
+        default=None,
+        gt=0,
+        le=1_000_000,
+        description="Accelerator memory per worker (GiB); default from settings.",
     )
     host_memory_gb: float | None = Field(
-        default=None, gt=0, description="Host memory per worker for CPU offload."
+        default=None,
+        gt=0,
+        le=1_000_000,
+        description="Host memory per worker for CPU offload (GiB).",
     )
 
 
-@router.post("")
+@router.post("", responses=ok(Plan))
 async def create_plan(
     body: PlanRequest, principal: PrincipalDep, registry: RegistryDep, settings: SettingsDep
 ) -> dict[str, Any]:
