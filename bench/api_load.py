@@ -1,5 +1,5 @@
-"""API load: 32 concurrent clients creating and listing fine-tuning jobs against a real
-server (uvicorn, --workers, default 2), on SQLite and then PostgreSQL.
+"""API load: 32 concurrent clients creating and listing fine-tuning jobs of 64 tenants
+against a real server (uvicorn, --workers, default 2), on SQLite and then PostgreSQL.
 
 Three phases per backend. Closed loop: 32 clients each create jobs and list after every
 fifth, sending their next request as soon as the last one answers; this gives the most
@@ -68,16 +68,19 @@ def percentile(values: list[float], q: float) -> float:
 
 async def client_loop(
     http: aiohttp.ClientSession,
-    key: str,
-    file_id: str,
+    keys: list[str],
+    files: list[str],
     client: int,
     n: int,
     creates: list[float],
     lists: list[float],
     errors: list[str],
 ) -> None:
-    headers = {"Authorization": f"Bearer {key}"}
     for seq in range(n):
+        # every tenant in turn: each holds about as many waiting jobs as the others
+        tenant = (client * n + seq) % len(keys)
+        headers = {"Authorization": f"Bearer {keys[tenant]}"}
+        file_id = files[tenant]
         t0 = time.perf_counter()
         async with http.post(
             "/v1/fine_tuning/jobs",
@@ -198,10 +201,9 @@ from tunefleet.platform.db.migrate import upgrade
 from tunefleet.platform.tenants import create_key, create_tenant
 upgrade(sys.argv[1])
 with session_scope(sys.argv[1]) as s:
-    tenants = [create_tenant(s, f"load-{i}") for i in range(4)]
-    for t in tenants:  # no controller runs: every job created waits
-        if hasattr(t, "max_waiting_jobs"):
-            t.max_waiting_jobs = 1_000_000
+    # No controller runs, so every job created waits: 64 tenants keep each tenant's waiting
+    # jobs (about 72) under the default cap of 100, as a busy multi-tenant cluster would.
+    tenants = [create_tenant(s, f"load-{i}") for i in range(64)]
     print(json.dumps([create_key(s, t.id)[1] for t in tenants]))
 """
 
@@ -277,9 +279,7 @@ def run_backend(
                 t0 = time.perf_counter()
                 await asyncio.gather(
                     *[
-                        client_loop(
-                            http, keys[c % 4], files[c % 4], c, per_client, creates, lists, errors
-                        )
+                        client_loop(http, keys, files, c, per_client, creates, lists, errors)
                         for c in range(clients)
                     ]
                 )
