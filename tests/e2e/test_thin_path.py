@@ -433,6 +433,15 @@ def test_a_bad_request_to_serving_fails_alone(
         err = resp.json()["error"]
         assert (err["param"], err["code"]) == (param, code), err
     assert "maximum context length is 512 tokens" in answers[3].json()["error"]["message"]
+    broken = stack["data"] / "artifacts" / "adapters" / "ftjob-broken"
+    broken.mkdir(parents=True)
+    (broken / "weights.bin").write_bytes(b"not an adapter")
+    refused = httpx.post(
+        f"{stack['serve']}/models/{TINY}/v1/adapters/ftjob-broken/load", timeout=30
+    )
+    assert refused.status_code == 400, refused.text  # was a 422 the SDKs do not raise as such
+    assert refused.json()["error"]["code"] == "adapter_unservable"
+    assert "serving_mode 'merged'" in refused.json()["error"]["message"]
     unloaded = httpx.delete(f"{stack['serve']}/models/{TINY}/v1/adapters/{job['id']}", timeout=30)
     assert unloaded.status_code == 200, unloaded.text  # held by nothing
     again = client.post("/v1/chat/completions", json=good)  # and loads again on demand

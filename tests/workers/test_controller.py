@@ -481,3 +481,59 @@ def test_counting_past_its_time_limit_fails_the_job_with_the_fix(settings: Setti
         assert job.error is not None and job.error["code"] == "invalid_file"
         assert "took longer than 0 s" in job.error["message"]
         assert "split the training file" in job.error["message"]
+
+
+class SlowServeTwin(TwinBackend):
+    """A model server whose first replica takes as long as ``release`` says (a large base
+    model loading, or a replica the cluster cannot place yet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def deploy_model_server(self, base_model: str, model_path: str) -> str:
+        self.deployed.append(base_model)
+        self.release.wait(30)
+        return f"/models/{base_model}"
+
+
+def test_a_slow_model_server_deploy_holds_up_no_pass(settings: Settings) -> None:
+    """Deploying Serve ran inside the pass: a replica that took minutes to start (or could
+    not be placed) stalled every tenant's jobs and the lease's renewal. Now it runs on the
+    serving thread; the job whose adapter waits for it stays running, says so once if it
+    takes long, and succeeds on the pass after the deploy ends."""
+    twin = SlowServeTwin()
+    twin.nodes = lambda: [Node("twin", cpus=2)]  # type: ignore[method-assign]
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    ctl.SERVE_WAIT_S = 0.2
+    url = settings.resolved_database_url
+    done, other = _jobs(settings, 2)
+    ctl.tick()
+    store = ArtifactStore(settings.resolved_artifact_root)
+    store.path(store.adapter_key(done)).mkdir(parents=True)
+    twin.status[f"{done}-1"] = SUCCEEDED
+    twin.status[f"{other}-1"] = "FAILED"
+    t0 = time.monotonic()
+    ctl.tick()
+    ctl.SERVE_SLOW_S = 0.0  # from now on the deploy counts as slow
+    for _ in range(3):
+        ctl.tick()
+        time.sleep(0.6)
+    assert time.monotonic() - t0 < 6
+    with session_scope(url) as s:
+        waiting, retried = s.get(Job, done), s.get(Job, other)
+        assert waiting is not None and waiting.status == "running"
+        assert retried is not None and retried.status == "queued"  # followed meanwhile
+        events, _ = list_events(s, done, limit=100)
+    slow = [e.message for e in events if "has been starting for more than" in e.message]
+    assert len(slow) == 1 and "may not fit the cluster" in slow[0], slow
+    twin.release.set()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        ctl.tick()
+        with session_scope(url) as s:
+            if s.get(Job, done).status == "succeeded":  # type: ignore[union-attr]
+                break
+    with session_scope(url) as s:
+        assert s.get(Job, done).status == "succeeded"  # type: ignore[union-attr]
+    assert twin.deployed == ["tiny-llama"]

@@ -100,6 +100,9 @@ class Controller:
     ADMISSION_WAIT_S = 2.0
     # Counting one job's files in tokens may take this long, then the job fails.
     ADMISSION_TIMEOUT_S = 900.0
+    # A pass waits this long for a Serve deploy; past SERVE_SLOW_S its jobs say so.
+    SERVE_WAIT_S = 2.0
+    SERVE_SLOW_S = 600.0
 
     def __init__(self, settings: Settings, backend: RayBackend, *, lease: Lease | None = None):
         self.settings = settings
@@ -117,6 +120,9 @@ class Controller:
         self._trouble: dict[str, str] = {}  # job id -> the last trouble said on it
         # base model -> (monotonic time of the next try, why the last one failed)
         self._serve_failed: dict[str, tuple[float, str]] = {}
+        # base model -> (monotonic start, the deploy on the serving thread)
+        self._serving = futures.ThreadPoolExecutor(1, thread_name_prefix="serving")
+        self._deploying: dict[str, tuple[float, futures.Future[str]]] = {}
 
     # -- the loop --------------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
@@ -146,6 +152,7 @@ class Controller:
         finally:
             self._closing.set()  # a count in progress stops at its next line
             self._admission.shutdown(wait=True, cancel_futures=True)
+            self._serving.shutdown(wait=False, cancel_futures=True)  # a deploy may never end
             if self.lease is not None:
                 self.lease.release()
 
@@ -576,7 +583,8 @@ class Controller:
             assert job is not None
             base = job.model
         # Serving first: a job reads succeeded only once its model answers.
-        self.ensure_served(base)
+        if not self.ensure_served(base):
+            return  # its model server is still starting: a later pass looks again
         with self._writing() as s:
             job = s.get(Job, job_id)
             assert job is not None
@@ -656,15 +664,36 @@ class Controller:
                 log.info("stopped run %s of %s job %s", sid, status, job_id)
 
     # -- serving ---------------------------------------------------------------------
-    def ensure_served(self, base_model: str) -> None:
-        """Deploy the Serve application of ``base_model`` once per controller."""
+    def ensure_served(self, base_model: str) -> bool:
+        """Whether the Serve application of ``base_model`` is deployed (once per
+        controller). A deploy runs on the serving thread, off the pass (it lasts as long as
+        its first replica takes to load the model, or forever if the cluster cannot place
+        one): the pass waits for it ``SERVE_WAIT_S`` at most and says False while it goes
+        on. A failed deploy raises (naming why) until it is tried again after
+        ``SERVE_RETRY_S``; one still going after ``SERVE_SLOW_S`` raises too, once."""
         if base_model in self._served:
-            return
+            return True
         failed = self._serve_failed.get(base_model)
         if failed is not None and time.monotonic() < failed[0]:
             raise RuntimeError(failed[1])
+        if base_model not in self._deploying:
+            deploy = self._serving.submit(
+                self.backend.deploy_model_server, base_model, str(self.registry.path(base_model))
+            )
+            self._deploying[base_model] = (time.monotonic(), deploy)
+            futures.wait([deploy], timeout=self.SERVE_WAIT_S)
+        started, deploy = self._deploying[base_model]
+        if not deploy.done():
+            if time.monotonic() - started > self.SERVE_SLOW_S:  # said once: one message
+                raise RuntimeError(
+                    f"serving base model {base_model!r} has been starting for more than "
+                    f"{self.SERVE_SLOW_S:.0f}s; its replica may not fit the cluster (see Ray "
+                    "Serve's status)"
+                )
+            return False
+        del self._deploying[base_model]
         try:
-            self.backend.deploy_model_server(base_model, str(self.registry.path(base_model)))
+            deploy.result()
         except Exception as exc:
             message = (
                 f"serving base model {base_model!r} failed to start ({exc}); "
@@ -674,6 +703,7 @@ class Controller:
             raise RuntimeError(message) from exc
         self._serve_failed.pop(base_model, None)
         self._served.add(base_model)
+        return True
 
     def serve_existing_adapters(self) -> None:
         with session_scope(self.db_url) as s:

@@ -146,6 +146,17 @@ def _usage(done: list[Finished], prompts: list[list[int]]) -> dict[str, int]:
     }
 
 
+def _unservable(adapter_id: str, exc: AdapterError) -> JSONResponse:
+    """400: an adapter batched serving cannot apply exactly (DoRA, trained biases, another
+    base's shapes...): the request is fine, the adapter needs the merged mode."""
+    return _error(
+        400,
+        f"adapter {adapter_id!r} cannot be served batched: {exc}; an admin can serve it merged "
+        "(PATCH /v1/admin/adapters/{model} with serving_mode 'merged')",
+        "adapter_unservable",
+    )
+
+
 def _error(status: int, message: str, code: str, param: str | None = "model") -> JSONResponse:
     return JSONResponse(
         status_code=status,
@@ -375,9 +386,7 @@ class LoraServer:
         try:
             await asyncio.to_thread(self.cache.acquire, adapter_id, pin=pin, hold=False)
         except AdapterError as exc:
-            return _error(
-                422, f"adapter {adapter_id!r} cannot be served: {exc}", "adapter_unservable"
-            )
+            return _unservable(adapter_id, exc)
         except CacheFullError as exc:
             return _error(503, str(exc), "adapter_cache_full")
         return {"id": adapter_id, "loaded": True, "pinned": pin}
@@ -476,9 +485,7 @@ class LoraServer:
                 # held until the answer ends: the cache will not evict it meanwhile
                 slot = await asyncio.to_thread(self.cache.acquire, adapter_id)
             except AdapterError as exc:
-                return _error(
-                    422, f"adapter {adapter_id!r} cannot be served: {exc}", "adapter_unservable"
-                )
+                return _unservable(adapter_id, exc)
             except CacheFullError as exc:
                 return _error(503, str(exc), "adapter_cache_full")
         # one choice per prompt and sample: index = prompt * n + sample, as OpenAI numbers them
