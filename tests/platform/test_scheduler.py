@@ -289,3 +289,22 @@ def test_a_thousand_jobs_of_twenty_tenants_on_32_nodes_keep_every_rule() -> None
     # a job that waits for room stops every lower priority class
     lowest = max(job_of[j].priority for j in short_of_room)
     assert all(job_of[d.job_id].priority >= lowest for d in dispatches)
+
+
+def test_after_a_failure_the_retry_backs_off_then_the_job_fails() -> None:
+    from tunefleet.platform.scheduler import MAX_RUN_FAILURES, Retry, after_failure
+
+    assert [after_failure(n) for n in range(MAX_RUN_FAILURES)] == [
+        Retry(1, 10),
+        Retry(2, 20),
+        None,
+    ]
+    assert after_failure(0, "disk_full") is None  # the next run would find the same disk
+    assert after_failure(0, "training_failed") == Retry(1, 10)
+
+
+def test_ia3_is_served_merged_every_other_method_batched() -> None:
+    from tunefleet.platform.scheduler import serving_mode
+
+    assert serving_mode("ia3") == "merged"
+    assert {serving_mode(m) for m in ("lora", "qlora", "dora", "full")} == {"multiplexed"}

@@ -38,7 +38,6 @@ from tunefleet.platform.spec import (
     Hyperparameters,
     JobSpec,
     TuneFleetOptions,
-    fine_tuned_model_name,
 )
 from tunefleet.platform.status import JobStatus
 from tunefleet.platform.tenants import Principal
@@ -402,11 +401,6 @@ def get_job(session: Session, principal: Principal, job_id: str) -> Job:
     if job is None or job.tenant_id != principal.tenant_id:
         raise NotFound(f"no fine-tuning job with id {job_id!r}", param="fine_tuning_job_id")
     return job
-
-
-def job_fine_tuned_name(job: Job, tenant_name: str) -> str:
-    spec = JobSpec.model_validate(job.spec)
-    return fine_tuned_model_name(job.model, tenant_name, spec.suffix, job.id)
 
 
 # A job's columns under their attribute names: lists select these rather than loading

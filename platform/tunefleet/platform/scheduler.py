@@ -265,3 +265,38 @@ def _never_fits(job: QueuedJob, nodes: Iterable[Node]) -> str:
         f"{biggest.gpus:g} GPU, {sum(n.cpus for n in nodes):g} CPU and "
         f"{sum(n.gpus for n in nodes):g} GPU in all; lower tunefleet.resources"
     )
+
+
+# -- after a run: retry or give up ------------------------------------------------------
+
+# A failed run is retried after RETRY_BASE_S, then twice as long each time, at most
+# RETRY_MAX_S; the job fails at its MAX_RUN_FAILURES-th failed run.
+MAX_RUN_FAILURES = 3
+RETRY_BASE_S = 10
+RETRY_MAX_S = 300
+# Failures a run records that the next run would meet again: the job fails at once.
+NOT_RETRIED = frozenset({"disk_full"})
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Run the job again after ``delay_s``; ``failures`` counts this one."""
+
+    failures: int
+    delay_s: int
+
+
+def after_failure(failures: int, recorded_code: str | None = None) -> Retry | None:
+    """What follows a failed run (or a submit Ray refused) of a job that had failed
+    ``failures`` times before: a retry after a backoff that doubles, or None when the job
+    fails (its MAX_RUN_FAILURES-th failure, or one the run recorded as ``NOT_RETRIED``)."""
+    if recorded_code in NOT_RETRIED or failures + 1 >= MAX_RUN_FAILURES:
+        return None
+    return Retry(failures + 1, min(RETRY_MAX_S, RETRY_BASE_S * 2**failures))
+
+
+def serving_mode(method: str) -> str:
+    """How a new adapter of ``method`` is served: (IA)^3 vectors scale activations, which
+    batched LoRA serving cannot apply, so it is merged into its own copy of the base; every
+    other method is batched (``multiplexed``)."""
+    return "merged" if method == "ia3" else "multiplexed"

@@ -18,6 +18,20 @@ from tunefleet.platform.errors import InvalidRequest, NotFound
 
 ServingMode = Literal["multiplexed", "merged"]
 
+# The contract between the API's inference proxy and the Serve applications: each base
+# model's application is named ``app_name(base)`` and answers under ``route_prefix(base)``;
+# a request names its adapter (the job that made it) in ``ADAPTER_HEADER``, which Serve's
+# multiplexing routes on; no header means the bare base model.
+ADAPTER_HEADER = "serve_multiplexed_model_id"
+
+
+def route_prefix(base_model: str) -> str:
+    return f"/models/{base_model}"
+
+
+def app_name(base_model: str) -> str:
+    return "tunefleet-" + "".join(c if c.isalnum() else "-" for c in base_model.lower())
+
 
 def serving_config(session: Session, base_model: str) -> dict[str, list[str]]:
     """``{"merged": [adapter ids], "pinned": [adapter ids]}`` of one base model (adapter id =

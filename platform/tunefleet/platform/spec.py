@@ -16,8 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 SPEC_VERSION: Literal[1] = 1
 
-# What "auto" resolves to. Documented in docs/jobs.md; the memory planner (issue 6)
-# replaces the batch-size rule.
+# What "auto" resolves to (docs/api.md, "Jobs").
 AUTO_N_EPOCHS = 3
 AUTO_BATCH_SIZE = 4
 AUTO_LR_MULTIPLIER = 1.0

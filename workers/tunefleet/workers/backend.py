@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tunefleet.platform.scheduler import Node
+from tunefleet.platform.serving import app_name, route_prefix
 from tunefleet.platform.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class RayBackend:
         """Deploy (or keep) the Serve application for ``base_model``; returns its route."""
         from ray import serve
 
-        from tunefleet.workers.serve.app import ServingOptions, build_app, route_prefix
+        from tunefleet.workers.serve.app import ServingOptions, build_app
 
         if not self._serve_started:
             serve.start(
@@ -200,10 +201,6 @@ class RayBackend:
                 serve.shutdown()
             finally:
                 ray.shutdown()
-
-
-def app_name(base_model: str) -> str:
-    return "tunefleet-" + "".join(c if c.isalnum() else "-" for c in base_model.lower())
 
 
 def _dashboard_of(ray: Any) -> str:

@@ -39,15 +39,19 @@ from tunefleet.platform.ids import new_id
 from tunefleet.platform.lease import Lease, LeaseLost
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.scheduler import (
+    MAX_RUN_FAILURES,
     Dispatch,
     Node,
     QueuedJob,
     Reject,
+    Retry,
     RunningJob,
     Snapshot,
     TenantQuota,
     Wait,
+    after_failure,
     plan,
+    serving_mode,
 )
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.spec import JobSpec, Resources, fine_tuned_model_name
@@ -84,13 +88,6 @@ def failpoint(name: str) -> None:
 
 # A paused run checkpoints and exits at its next step; past this it is stopped outright.
 PAUSE_GRACE_S = 120
-# A failed run is retried after RETRY_BASE_S, then twice as long each time, at most
-# RETRY_MAX_S; the job fails after MAX_RUN_FAILURES failed runs.
-MAX_RUN_FAILURES = 3
-RETRY_BASE_S = 10
-RETRY_MAX_S = 300
-# Failures a run records that the next run would meet again: the job fails at once.
-NOT_RETRIED = frozenset({"disk_full"})
 # A base model whose Serve application failed to deploy is tried again after this long.
 SERVE_RETRY_S = 60
 
@@ -469,7 +466,7 @@ class Controller:
         except Exception as exc:  # Ray's Jobs API can refuse for a while ("no agent")
             log.warning("submitting %s of %s failed: %s", sid, job_id, exc)
             with moved_on(job_id):
-                self._run_failed(job_id, sid, f"could not submit to Ray: {exc}", submitted=False)
+                self._submit_refused(job_id, sid, f"could not submit to Ray: {exc}")
 
     def _follow_running(self) -> None:
         with session_scope(self.db_url) as s:
@@ -528,36 +525,43 @@ class Controller:
                 error={"code": "invalid_spec", "message": problems, "param": "tunefleet"},
             )
 
-    def _run_failed(self, job_id: str, sid: str, message: str, *, submitted: bool = True) -> None:
-        """A run failed, or could not even be submitted: retry it after a backoff while the
-        job has failed fewer than MAX_RUN_FAILURES times, else fail the job. A failure the
-        run recorded as one a retry cannot help (``NOT_RETRIED``) fails the job at once."""
+    def _run_failed(self, job_id: str, sid: str, message: str) -> None:
+        """A run failed: retry it after a backoff, or fail the job with the error the run
+        recorded (``scheduler.after_failure`` decides)."""
         with session_scope(self.db_url) as s:
             failures = s.scalar(select(Job.failures).where(Job.id == job_id)) or 0
-            recorded = _recorded_error(s, job_id) if submitted else None
-        if recorded is not None and recorded.get("code") in NOT_RETRIED:
-            self._fail(job_id, sid, message)
-        elif failures + 1 < MAX_RUN_FAILURES:
-            self._retry(job_id, sid, failures + 1, message)
-        elif submitted:
-            self._fail(job_id, sid, message)
+            recorded = _recorded_error(s, job_id)
+        retry = after_failure(failures, recorded.get("code") if recorded else None)
+        if retry is not None:
+            self._retry(job_id, sid, retry, message)
         else:
-            with self._writing() as s:
-                transition(
-                    s,
-                    job_id,
-                    S.RUNNING,
-                    S.FAILED,
-                    f"Job failed: {message}",
-                    level="error",
-                    error={"code": "dispatch_failed", "message": message, "param": None},
-                    failures=failures + 1,
-                )
+            self._fail(job_id, sid, message)
 
-    def _retry(self, job_id: str, sid: str, failures: int, message: str) -> None:
+    def _submit_refused(self, job_id: str, sid: str, message: str) -> None:
+        """Ray refused to take a run (its Jobs API says "no available agent" for a while
+        after a node starts): retried as a failed run is, then the job fails with
+        ``dispatch_failed``."""
+        with session_scope(self.db_url) as s:
+            failures = s.scalar(select(Job.failures).where(Job.id == job_id)) or 0
+        retry = after_failure(failures)
+        if retry is not None:
+            self._retry(job_id, sid, retry, message)
+            return
+        with self._writing() as s:
+            transition(
+                s,
+                job_id,
+                S.RUNNING,
+                S.FAILED,
+                f"Job failed: {message}",
+                level="error",
+                error={"code": "dispatch_failed", "message": message, "param": None},
+                failures=failures + 1,
+            )
+
+    def _retry(self, job_id: str, sid: str, retry: Retry, message: str) -> None:
         """Requeue a job whose run failed, to start again after a backoff; the next run
         restores the newest checkpoint."""
-        delay = min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (failures - 1))
         with self._writing() as s:
             transition(
                 s,
@@ -565,11 +569,16 @@ class Controller:
                 S.RUNNING,
                 S.QUEUED,
                 f"Ray job {sid} failed ({message or 'no message'}); retrying from the newest "
-                f"checkpoint in {delay}s (failure {failures} of {MAX_RUN_FAILURES})",
+                f"checkpoint in {retry.delay_s}s (failure {retry.failures} of "
+                f"{MAX_RUN_FAILURES})",
                 level="warning",
-                data={"ray_submission_id": sid, "failures": failures, "retry_in_s": delay},
-                failures=failures,
-                not_before=now_s() + delay,
+                data={
+                    "ray_submission_id": sid,
+                    "failures": retry.failures,
+                    "retry_in_s": retry.delay_s,
+                },
+                failures=retry.failures,
+                not_before=now_s() + retry.delay_s,
                 placement=None,
             )
 
@@ -600,8 +609,7 @@ class Controller:
                     name=name,
                     base_model=job.model,
                     path=key,
-                    # (IA)^3 vectors scale activations: served merged into the base
-                    serving_mode="merged" if spec.tunefleet.method == "ia3" else "multiplexed",
+                    serving_mode=serving_mode(spec.tunefleet.method),
                 )
             )
             transition(

@@ -1,7 +1,8 @@
 """``/v1/chat/completions`` and ``/v1/completions``: check the caller may use the model,
 then forward the request to the Ray Serve application of its base model, naming the
-adapter in the ``serve_multiplexed_model_id`` header so Serve routes it to a replica that
-holds it. Streamed answers (``stream: true``) are relayed event by event."""
+adapter in the header Serve routes on (the contract is ``tunefleet.platform.serving``'s),
+so it reaches a replica that holds it. Streamed answers (``stream: true``) are relayed
+event by event."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, SettingsDe
 from tunefleet.api.openapi import errors, ok
 from tunefleet.platform.errors import InvalidRequest, NotFound, Unavailable
 from tunefleet.platform.models import ModelRegistry
-from tunefleet.platform.serving import visible_adapter
+from tunefleet.platform.serving import ADAPTER_HEADER, route_prefix, visible_adapter
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.tenants import Principal
 
@@ -134,8 +135,8 @@ async def _forward(
             )
         base, adapter_id = adapter.base_model, adapter.job_id
     session.close()  # a long generation must not hold a database connection
-    url = f"{settings.serve_url}/models/{base}/v1/{path}"
-    headers = {"serve_multiplexed_model_id": adapter_id} if adapter_id else {}
+    url = f"{settings.serve_url}{route_prefix(base)}/v1/{path}"
+    headers = {ADAPTER_HEADER: adapter_id} if adapter_id else {}
     client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
     try:
         resp = await client.send(

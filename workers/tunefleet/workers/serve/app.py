@@ -2,8 +2,9 @@
 
 Adapters load on demand from the artifact store through ``serve.multiplexed`` (so Serve
 routes a request to a replica that already holds its adapter) and are evicted LRU.
-Requests name their adapter with the ``serve_multiplexed_model_id`` header (the TuneFleet
-API sets it after checking the caller may use that model); no header means the bare base.
+Requests name their adapter in the header ``tunefleet.platform.serving`` names (the
+TuneFleet API sets it after checking the caller may use that model); no header means the
+bare base.
 OpenAI's ``/v1/chat/completions`` and ``/v1/completions``, whole or streamed as
 server-sent events (``data: {...}`` chunks, then ``data: [DONE]``).
 
@@ -68,10 +69,6 @@ class ServingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     merged: list[str] = Field(default_factory=list)
     pinned: list[str] = Field(default_factory=list)
-
-
-def route_prefix(base_model: str) -> str:
-    return f"/models/{base_model}"
 
 
 class ChatMessage(BaseModel):
