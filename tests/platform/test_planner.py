@@ -230,3 +230,24 @@ def test_what_the_planner_settles_is_a_spec_the_spec_accepts(method: str) -> Non
 def test_options_a_job_cannot_use_are_refused(options: dict[str, Any], named: str) -> None:
     with pytest.raises(ValidationError, match=named):
         _spec(**options)
+
+
+def test_a_probe_setting_the_job_gave_is_kept_and_each_plan_is_its_own() -> None:
+    """The planner set probe_micro_batch whenever it chose the micro-batch, overwriting a
+    job that asked not to probe; and the cache handed every caller the same plan dict."""
+    gpus = {"resources": {"num_workers": 1, "gpus_per_worker": 1}}
+    chosen, plan = resolve_spec(
+        LLAMA2_7B_CONFIG, _spec(**gpus), device_bytes=80 * GiB, host_bytes=0
+    )
+    assert chosen.tunefleet.probe_micro_batch is True  # the planner chose: probe it
+    kept, again = resolve_spec(
+        LLAMA2_7B_CONFIG,
+        _spec(**gpus, probe_micro_batch=False),
+        device_bytes=80 * GiB,
+        host_bytes=0,
+    )
+    assert kept.tunefleet.probe_micro_batch is False
+    assert kept.tunefleet.micro_batch_size == chosen.tunefleet.micro_batch_size
+    plan["notes"] = "changed by one caller"
+    _, third = resolve_spec(LLAMA2_7B_CONFIG, _spec(**gpus), device_bytes=80 * GiB, host_bytes=0)
+    assert third != plan and third == again

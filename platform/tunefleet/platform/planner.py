@@ -26,15 +26,16 @@ import orjson
 from pydantic import ValidationError
 
 from tunefleet.platform.errors import InvalidRequest
-from tunefleet.platform.spec import LINEAR_MODULES, JobSpec, TuneFleetOptions
+from tunefleet.platform.spec import LINEAR_MODULES, JobSpec, Method, TuneFleetOptions
+from tunefleet.platform.spec import Strategy as SpecStrategy
 
 GiB = 1024**3
 
+# The spec's vocabulary (methods, strategies), and where the planner says more: it plans
+# fp8 as bf16, and it also counts ZeRO-1 (optimizer states sharded), a stage of the seeds'
+# arithmetic that no run applies (the spec refuses it).
 Precision = Literal["fp32", "bf16", "fp16"]
-Strategy = Literal["ddp", "zero1", "zero2", "zero3", "zero3_offload"]
-Method = Literal[
-    "full", "lora", "qlora", "ia3", "prefix_tuning", "prompt_tuning", "bitfit", "adapter"
-]
+Strategy = SpecStrategy | Literal["zero1"]
 Optimizer = Literal["adamw", "adamw_8bit"]
 
 NF4_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax constant per 64 weights
@@ -424,8 +425,8 @@ def plan_input_from_spec(spec: JobSpec) -> PlanInput:
         lora_targets=tuple(opts.lora.target_modules),
         precision=precision,
         optimizer="adamw" if opts.optimizer == "adamw" else "adamw_8bit",
-        strategy="ddp" if opts.strategy == "auto" else opts.strategy,
-        gradient_checkpointing=opts.gradient_checkpointing is True,
+        strategy=opts.run_strategy,
+        gradient_checkpointing=opts.run_checkpointing,
         num_workers=workers,
         per_device_batch=micro,
         seq_len=opts.max_seq_len,
@@ -443,7 +444,7 @@ UNSHARDABLE_METHODS = ("prefix_tuning", "prompt_tuning")
 
 # Resolved options and plans by everything they depend on: most jobs repeat a few
 # configurations, and job creation (the API's hottest write) plans every job.
-_RESOLVED: dict[tuple[Any, ...], tuple[TuneFleetOptions, dict[str, Any]]] = {}
+_RESOLVED: dict[tuple[Any, ...], tuple[TuneFleetOptions, bytes]] = {}
 _RESOLVED_MAX = 1024
 
 
@@ -453,7 +454,7 @@ def resolve_spec(
     """Settle the spec's ``auto`` memory settings with the planner (the seeds' chart) and
     return the concrete spec with its plan. Raises ``InvalidRequest`` naming what would be
     needed when the job cannot fit the device, or needs a strategy the loop lacks.
-    The plan may be shared with other callers: read it, do not change it."""
+    Each call gets a plan of its own (the cache keeps it encoded)."""
     key = (
         orjson.dumps(config, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS),
         spec.model,
@@ -461,16 +462,17 @@ def resolve_spec(
         spec.hyperparameters.batch_size,
         device_bytes,
         host_bytes,
+        "probe_micro_batch" in spec.tunefleet.model_fields_set,
     )
     hit = _RESOLVED.get(key)
     if hit is None:
         resolved = _resolve_spec(config, spec, device_bytes=device_bytes, host_bytes=host_bytes)
-        hit = (resolved[0].tunefleet, resolved[1])
+        hit = (resolved[0].tunefleet, orjson.dumps(resolved[1]))
         if len(_RESOLVED) >= _RESOLVED_MAX:
             _RESOLVED.clear()
         _RESOLVED[key] = hit
-    # hit[0] was validated by _resolve_spec: copying it in keeps the spec valid
-    return spec.model_copy(update={"tunefleet": hit[0]}), hit[1]
+    # hit[0] (frozen) was validated by _resolve_spec: copying it in keeps the spec valid
+    return spec.model_copy(update={"tunefleet": hit[0]}), orjson.loads(hit[1])
 
 
 def _resolve_spec(
@@ -503,7 +505,10 @@ def _resolve_spec(
     settled = {
         "gradient_checkpointing": ckpt,
         "micro_batch_size": micro,
-        "probe_micro_batch": opts.micro_batch_size is None,
+        # probe what the planner chose, unless the job said whether to probe
+        "probe_micro_batch": opts.probe_micro_batch
+        if "probe_micro_batch" in opts.model_fields_set
+        else opts.micro_batch_size is None,
         "strategy": advice.strategy,
     }
     try:  # validated, not model_copy'd: what is stored is what the spec accepts

@@ -256,6 +256,18 @@ class TuneFleetOptions(_Frozen):
     resources: Resources = Field(default_factory=Resources, description="Cluster resources.")
     priority: int = Field(default=0, ge=-100, le=100, description="Higher runs first.")
 
+    @property
+    def run_strategy(self) -> Strategy:
+        """The strategy a run applies: an ``auto`` the planner did not settle (a job made
+        without a plan) runs DDP."""
+        return "ddp" if self.strategy == "auto" else self.strategy
+
+    @property
+    def run_checkpointing(self) -> bool:
+        """Whether a run recomputes activations: an ``auto`` the planner did not settle
+        runs without."""
+        return self.gradient_checkpointing is True
+
     @model_validator(mode="after")
     def _hardware(self) -> TuneFleetOptions:
         """Options that need a GPU are refused for CPU workers, as are strategies the method

@@ -191,7 +191,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         enable_fp8(built.model)
     # the output layer runs only where a label is (loss.py); hooked before any wrapping
     labelled = LabelledLogits(built.model.get_output_embeddings())
-    strategy = "ddp" if spec.tunefleet.strategy == "auto" else spec.tunefleet.strategy
+    strategy = spec.tunefleet.run_strategy
     # one worker has nothing to shard, but zero3_offload still moves its parameters, grads
     # and optimizer states to host memory (GPU workers only: spec.py)
     sharded = strategy != "ddp" and (world > 1 or strategy == "zero3_offload")
@@ -292,7 +292,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     )
     head = train_metrics.output_layer_flops(total, trainable, built.model.config)
     if is_chief:
-        checkpointing = spec.tunefleet.gradient_checkpointing is True  # "auto" unplanned: off
+        checkpointing = spec.tunefleet.run_checkpointing
         resumed = f", resumed at step {step}" if step else ""
         training_starts = partial(
             record_message,

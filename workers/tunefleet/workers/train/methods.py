@@ -148,7 +148,7 @@ def build_model(spec: JobSpec, model_path: str) -> BuiltModel:
     opts = spec.tunefleet
     method = opts.method
     model = load_base(spec, model_path)
-    checkpointing = opts.gradient_checkpointing is True
+    checkpointing = opts.run_checkpointing
     if checkpointing:
         # Non-reentrant checkpointing needs no input that requires grad, so it works with
         # frozen embeddings under LoRA.
