@@ -121,3 +121,16 @@ def test_a_job_that_cannot_fit_is_refused_with_what_would_be_needed(
     err = resp.json()["error"]
     assert err["code"] == "does_not_fit" and "would fit with" in err["message"]
     assert client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"] == []
+
+
+def test_the_dry_run_shows_the_plan_the_job_stores(settings: Settings, key_a: str) -> None:
+    """POST /v1/plans built its own spec and skipped the planner's settling: on a tight
+    device it showed the ``auto`` job as DDP without checkpointing at the whole batch, a
+    plan that does not fit, while the job runs with checkpointing at micro-batch 1. Now it
+    is the plan job creation stores."""
+    tight = _client_with_device(settings, 0.006)
+    body = {"model": TINY, "training_file": _upload(tight, key_a), "seed": 5}
+    dry = tight.post("/v1/plans", headers=H(key_a), json=body).json()
+    job = tight.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body).json()
+    assert job["tunefleet"]["gradient_checkpointing"] is True
+    assert dry == job["tunefleet"]["plan"] and dry["advice"]["fits"]

@@ -104,8 +104,8 @@ def plan(
 
     from tunefleet.cli.plan_table import render
     from tunefleet.platform.errors import TuneFleetError
-    from tunefleet.platform.planner import plan_for_spec
-    from tunefleet.platform.spec import Hyperparameters, JobSpec, TuneFleetOptions
+    from tunefleet.platform.jobs import JobCreateRequest, dry_run
+    from tunefleet.platform.planner import PlanDevice
 
     settings = get_settings()
     registry = ModelRegistry(settings.resolved_model_registry)
@@ -116,23 +116,20 @@ def plan(
             if path.suffix == ".json" and path.is_file()
             else registry.config(registry.require(model).name)
         )
-        spec = JobSpec(
-            job_id="plan",
-            tenant_id="cli",
-            model=model,
-            training_file="-",
-            seed=0,
-            hyperparameters=Hyperparameters(
-                n_epochs=1, batch_size=batch_size, learning_rate_multiplier=1.0
-            ),
-            tunefleet=TuneFleetOptions.model_validate(json.loads(options) if options else {}),
+        req = JobCreateRequest.model_validate(
+            {
+                "model": model,
+                "training_file": "-",
+                "seed": 0,
+                "hyperparameters": {"n_epochs": 1, "batch_size": batch_size},
+                "tunefleet": json.loads(options) if options else {},
+            }
         )
-        result = plan_for_spec(
-            config,
-            spec,
-            device_bytes=(device_memory_gb or settings.device_memory_gb) * 1024**3,
-            host_bytes=(host_memory_gb or settings.host_memory_gb) * 1024**3,
+        device = PlanDevice.from_gb(
+            device_memory_gb or settings.device_memory_gb,
+            host_memory_gb or settings.host_memory_gb,
         )
+        result = dry_run(req, config, tenant_id="cli", device=device)
     except (TuneFleetError, ValidationError, ValueError) as exc:  # bad input: say it, no trace
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -30,7 +30,7 @@ from tunefleet.platform.db.models import File, Job, JobEvent
 from tunefleet.platform.errors import InvalidRequest, NotFound, QuotaExceeded
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
-from tunefleet.platform.planner import PlanDevice, resolve_spec
+from tunefleet.platform.planner import PlanDevice, plan_for_spec, resolve_spec
 from tunefleet.platform.spec import (
     AUTO_BATCH_SIZE,
     AUTO_LR_MULTIPLIER,
@@ -293,6 +293,55 @@ _JOB_COLUMNS = (
 _EVENT_COLUMNS = ("id", "job_id", "created_at", "level", "type", "message", "data")
 
 
+def build_spec(
+    req: JobCreateRequest, *, job_id: str, tenant_id: str, config: dict[str, Any]
+) -> JobSpec:
+    """The spec a job of ``req`` runs on a model of ``config``, before the planner settles
+    its ``auto`` settings (``resolve_spec``): the one builder behind job creation and the
+    dry runs (``POST /v1/plans``, ``tunefleet plan``), with the checks that need the
+    model (BitFit needs bias terms)."""
+    options = req.tunefleet or TuneFleetOptions()
+    if options.method == "bitfit" and not (
+        config.get("attention_bias") or config.get("mlp_bias") or config.get("bias")
+    ):
+        raise InvalidRequest(
+            f"BitFit trains only the bias terms, and {req.model!r} has none "
+            "(attention_bias and mlp_bias are off); choose another tunefleet.method, "
+            "e.g. 'lora' or 'ia3'",
+            param="tunefleet.method",
+        )
+    return JobSpec(
+        job_id=job_id,
+        tenant_id=tenant_id,
+        model=req.model,
+        training_file=req.training_file,
+        validation_file=req.validation_file,
+        hyperparameters=req.resolved_hyperparameters(),
+        seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
+        suffix=req.suffix,
+        tunefleet=options,
+    )
+
+
+def dry_run(
+    req: JobCreateRequest, config: dict[str, Any], *, tenant_id: str, device: PlanDevice
+) -> dict[str, Any]:
+    """The plan a job of ``req`` would run on ``device``: the plan of the spec the planner
+    settles, as job creation stores it; when the job does not fit (which creation refuses),
+    the plan of the spec as asked, whose advice says why and what would fit."""
+    spec = build_spec(req, job_id="plan", tenant_id=tenant_id, config=config)
+    try:
+        return resolve_spec(
+            config, spec, device_bytes=device.memory_bytes, host_bytes=device.host_bytes
+        )[1]
+    except InvalidRequest as exc:
+        if exc.code != "does_not_fit":
+            raise
+        return plan_for_spec(
+            config, spec, device_bytes=device.memory_bytes, host_bytes=device.host_bytes
+        )
+
+
 def create_job(
     session: Session,
     principal: Principal,
@@ -305,16 +354,8 @@ def create_job(
     """Validate references, build the spec and store the job in ``validating_files``
     with its memory plan for ``device``."""
     registry.require(req.model)
+    config = registry.config(req.model)
     options = req.tunefleet or TuneFleetOptions()
-    if options.method == "bitfit":
-        config = registry.config(req.model)
-        if not (config.get("attention_bias") or config.get("mlp_bias") or config.get("bias")):
-            raise InvalidRequest(
-                f"BitFit trains only the bias terms, and {req.model!r} has none "
-                "(attention_bias and mlp_bias are off); choose another tunefleet.method, "
-                "e.g. 'lora' or 'ia3'",
-                param="tunefleet.method",
-            )
     gpus = options.resources.num_workers * options.resources.gpus_per_worker
     if gpus > principal.max_gpus:
         raise QuotaExceeded(
@@ -324,24 +365,11 @@ def create_job(
             param="tunefleet.resources",
         )
     job_id = new_id("job")
-    spec = JobSpec(
-        job_id=job_id,
-        tenant_id=principal.tenant_id,
-        model=req.model,
-        training_file=req.training_file,
-        validation_file=req.validation_file,
-        hyperparameters=req.resolved_hyperparameters(),
-        seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
-        suffix=req.suffix,
-        tunefleet=options,
-    )
+    spec = build_spec(req, job_id=job_id, tenant_id=principal.tenant_id, config=config)
     plan = None
     if device is not None:
         spec, plan = resolve_spec(
-            registry.config(req.model),
-            spec,
-            device_bytes=device.memory_bytes,
-            host_bytes=device.host_bytes,
+            config, spec, device_bytes=device.memory_bytes, host_bytes=device.host_bytes
         )
     now_ns = time.time_ns()
     now = now_ns // 1_000_000_000

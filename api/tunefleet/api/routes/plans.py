@@ -1,10 +1,10 @@
 """``POST /v1/plans``: a dry run of a job. Same body as ``POST /v1/fine_tuning/jobs``
 (files are not needed and not checked), plus the device to plan for; answers with the
-memory breakdown of what the job would run and the tuning chart's advice."""
+memory breakdown of what the job would run, as creating it would settle it
+(``jobs.dry_run``), and the tuning chart's advice."""
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 from fastapi import APIRouter
@@ -12,9 +12,8 @@ from pydantic import Field
 
 from tunefleet.api.deps import PrincipalDep, RegistryDep, SettingsDep
 from tunefleet.api.openapi import Plan, ok
-from tunefleet.platform.jobs import JobCreateRequest
-from tunefleet.platform.planner import PlanDevice, plan_for_spec
-from tunefleet.platform.spec import JobSpec, TuneFleetOptions
+from tunefleet.platform.jobs import JobCreateRequest, dry_run
+from tunefleet.platform.planner import PlanDevice
 
 router = APIRouter(prefix="/v1/plans", tags=["planner"])
 
@@ -40,20 +39,8 @@ async def create_plan(
     body: PlanRequest, principal: PrincipalDep, registry: RegistryDep, settings: SettingsDep
 ) -> dict[str, Any]:
     registry.require(body.model)
-    spec = JobSpec(
-        job_id="plan", tenant_id=principal.tenant_id, model=body.model,
-        training_file=body.training_file, validation_file=body.validation_file,
-        hyperparameters=body.resolved_hyperparameters(),
-        seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
-        suffix=body.suffix, tunefleet=body.tunefleet or TuneFleetOptions(),
-    )  # fmt: skip
     device = PlanDevice.from_gb(
         body.device_memory_gb or settings.device_memory_gb,
         body.host_memory_gb or settings.host_memory_gb,
     )
-    return plan_for_spec(
-        registry.config(body.model),
-        spec,
-        device_bytes=device.memory_bytes,
-        host_bytes=device.host_bytes,
-    )
+    return dry_run(body, registry.config(body.model), tenant_id=principal.tenant_id, device=device)
