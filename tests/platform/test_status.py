@@ -73,3 +73,12 @@ def test_compare_and_set_loses_to_the_first_writer(migrated_url: str) -> None:
         assert s.get(Job, job_id).status == "cancelled"  # type: ignore[union-attr]
         n = len(list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id))))
         assert n == 1
+
+
+def test_the_table_says_where_a_cancel_and_a_pause_may_come_from() -> None:
+    """The routes hard-coded these lists beside the table; now they ask it."""
+    from tunefleet.platform.status import ACTIVE, sources
+
+    assert sources(S.CANCELLED) == [S.VALIDATING_FILES, S.QUEUED, S.RUNNING, S.PAUSED]
+    assert sources(S.PAUSED) == [S.QUEUED, S.RUNNING]
+    assert set(ACTIVE) == {S.VALIDATING_FILES, S.QUEUED, S.RUNNING, S.PAUSED}

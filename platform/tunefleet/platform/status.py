@@ -48,6 +48,16 @@ def can_transition(src: JobStatus, dst: JobStatus) -> bool:
     return dst in TRANSITIONS[src]
 
 
+def sources(dst: JobStatus) -> list[JobStatus]:
+    """The states a job may move to ``dst`` from, in the table's order (what a cancel or
+    a pause expects the job to be in)."""
+    return [src for src, targets in TRANSITIONS.items() if dst in targets]
+
+
+# Not finished: the job holds (or waits for) a place on the cluster.
+ACTIVE: tuple[JobStatus, ...] = tuple(s for s in JobStatus if s not in TERMINAL)
+
+
 def add_event(
     session: Session,
     job_id: str,

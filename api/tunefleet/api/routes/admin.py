@@ -25,6 +25,7 @@ from tunefleet.platform.db import Adapter, ApiKey, Job, Tenant, now_s
 from tunefleet.platform.errors import Forbidden, NotFound
 from tunefleet.platform.jobs import job_view
 from tunefleet.platform.serving import ServingMode, describe
+from tunefleet.platform.status import ACTIVE
 from tunefleet.platform.tenants import Principal, create_key, create_tenant, forget_keys
 
 
@@ -89,7 +90,7 @@ def list_tenants(session: SessionDep, _: AdminDep) -> dict[str, Any]:
     active = dict(
         session.execute(
             select(Job.tenant_id, func.count())
-            .where(Job.status.in_(["validating_files", "queued", "running", "paused"]))
+            .where(Job.status.in_(ACTIVE))
             .group_by(Job.tenant_id)
         ).all()
     )

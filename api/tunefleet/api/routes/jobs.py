@@ -30,15 +30,17 @@ from tunefleet.platform.jobs import (
     list_events,
 )
 from tunefleet.platform.planner import PlanDevice
-from tunefleet.platform.status import JobStatus, transition
+from tunefleet.platform.status import JobStatus, sources, transition
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
-# Handlers are ``async def`` and make their few short database calls on the event loop:
-# measured under 32 concurrent clients (bench/api_load.py), FastAPI's thread pool cost
-# more in GIL hand-offs than these sub-millisecond calls block the loop. The busiest
-# routes answer with a JSONResponse of plain JSON types, skipping jsonable_encoder. The
-# routes that read, and creation (one statement), use single-statement sessions: in
-# autocommit on PostgreSQL, without BEGIN/COMMIT round trips blocking the loop.
+# The convention for routes: plain ``def`` (FastAPI runs them in its thread pool), except
+# the hot ones measured under load. Here creation, listing, retrieval, events and
+# checkpoints are ``async def`` and make their few short database calls on the event loop:
+# under 32 concurrent clients (bench/api_load.py) the thread pool cost more in GIL
+# hand-offs than these sub-millisecond calls block the loop. They answer with a
+# JSONResponse of plain JSON types, skipping jsonable_encoder, and use single-statement
+# sessions: in autocommit on PostgreSQL, without BEGIN/COMMIT round trips blocking the
+# loop. Cancel, pause and resume are rare: plain ``def``.
 S = JobStatus
 
 
@@ -138,32 +140,26 @@ async def retrieve(
 
 
 @router.post("/{job_id}/cancel", responses={**ok(JobObject), **errors(404, 409)})
-async def cancel(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+def cancel(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     job = get_job(session, principal, job_id)
-    transition(
-        session,
-        job.id,
-        [S.VALIDATING_FILES, S.QUEUED, S.RUNNING, S.PAUSED],
-        S.CANCELLED,
-        "Job cancelled by request",
-    )
+    transition(session, job.id, sources(S.CANCELLED), S.CANCELLED, "Job cancelled by request")
     session.commit()
     session.refresh(job)
     return job_view(job)
 
 
 @router.post("/{job_id}/pause", responses={**ok(JobObject), **errors(404, 409)})
-async def pause(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+def pause(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     """A running job checkpoints at its next step and stops; a queued one just waits."""
     job = get_job(session, principal, job_id)
-    transition(session, job.id, [S.QUEUED, S.RUNNING], S.PAUSED, "Job paused by request")
+    transition(session, job.id, sources(S.PAUSED), S.PAUSED, "Job paused by request")
     session.commit()
     session.refresh(job)
     return job_view(job)
 
 
 @router.post("/{job_id}/resume", responses={**ok(JobObject), **errors(404, 409)})
-async def resume(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+def resume(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     """Queue a paused job again; its next run continues from its newest checkpoint."""
     job = get_job(session, principal, job_id)
     transition(session, job.id, S.PAUSED, S.QUEUED, "Job resumed by request; queued")
