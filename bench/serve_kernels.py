@@ -31,14 +31,18 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from serve_multilora import TARGETS, load_base, make_prompts, save_random_lora  # noqa: E402
+from serve_multilora import TARGETS, make_prompts, save_random_lora  # noqa: E402
 from tunefleet.platform.models import BUILTIN_MODEL, ModelRegistry  # noqa: E402
 from tunefleet.platform.settings import get_settings  # noqa: E402
 from tunefleet.workers.model_registry import prepare_builtin  # noqa: E402
 from tunefleet.workers.serve.engine import BatchEngine, generate_all  # noqa: E402
 from tunefleet.workers.serve.generate import Sampling  # noqa: E402
 from tunefleet.workers.serve.kvcache import BatchCache  # noqa: E402
-from tunefleet.workers.serve.multilora import AdapterCache, MultiLoraModel  # noqa: E402
+from tunefleet.workers.serve.multilora import (  # noqa: E402
+    AdapterCache,
+    MultiLoraModel,
+    load_serving_base,
+)
 
 
 def packed_vs_plain(
@@ -48,7 +52,7 @@ def packed_vs_plain(
     sampling = Sampling(max_tokens=new, temperature=0)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        base = load_base(model_path)
+        base = load_serving_base(model_path)
         for i in range(adapters):
             save_random_lora(
                 base, folder / f"ad{i}", r=16, alpha=32, targets=TARGETS, seed=i, std=0.02
@@ -56,7 +60,7 @@ def packed_vs_plain(
         engines = {}
         for kind in ("packed", "plain"):
             lora = MultiLoraModel(
-                load_base(model_path), max_adapters=adapters, pack_weights=kind == "packed"
+                load_serving_base(model_path), max_adapters=adapters, pack_weights=kind == "packed"
             )
             cache = AdapterCache(lora, locate=lambda a: folder / a)
             slots = [cache.acquire(f"ad{i % adapters}", hold=False) for i in range(requests)]
@@ -87,7 +91,7 @@ def packed_vs_plain(
 def kv_cache(model_path: Path, rows: int, context: int, steps: int, repeats: int) -> dict[str, Any]:
     from transformers import DynamicCache
 
-    model = load_base(model_path)
+    model = load_serving_base(model_path)
     ids = torch.randint(100, 10_000, (rows, context), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         prefilled = DynamicCache()

@@ -47,15 +47,13 @@ from tunefleet.platform.settings import get_settings  # noqa: E402
 from tunefleet.workers.model_registry import prepare_builtin  # noqa: E402
 from tunefleet.workers.serve.engine import BatchEngine, generate_all  # noqa: E402
 from tunefleet.workers.serve.generate import Sampling  # noqa: E402
-from tunefleet.workers.serve.multilora import AdapterCache, MultiLoraModel  # noqa: E402
+from tunefleet.workers.serve.multilora import (  # noqa: E402
+    AdapterCache,
+    MultiLoraModel,
+    load_serving_base,
+)
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def load_base(path: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def make_prompts(tokenizer: Any, n: int) -> list[list[int]]:
@@ -91,7 +89,7 @@ def run_tunefleet(
     new: int,
     tokenizer: Any,
 ) -> float:
-    lora = MultiLoraModel(load_base(model_path), max_adapters=max(n_adapters, 1))
+    lora = MultiLoraModel(load_serving_base(model_path), max_adapters=max(n_adapters, 1))
     cache = AdapterCache(lora, locate=lambda a: folder / a)
     engine = BatchEngine(lora, set(), max_batch_size=len(prompts))
     slots = [cache.acquire(f"ad{i % n_adapters}", hold=False) for i in range(len(prompts))]
@@ -111,7 +109,9 @@ def run_merged(
 ) -> float:
     from peft import PeftModel
 
-    merged = PeftModel.from_pretrained(load_base(model_path), folder / "ad0").merge_and_unload()
+    merged = PeftModel.from_pretrained(
+        load_serving_base(model_path), folder / "ad0"
+    ).merge_and_unload()
     engine = BatchEngine(MultiLoraModel(merged, max_adapters=1), set(), max_batch_size=len(prompts))
     sampling = Sampling(max_tokens=new, temperature=0)
     generate_all(engine, tokenizer, [(prompts[0], Sampling(2, 0), 0)])
@@ -123,7 +123,9 @@ def run_merged(
 def _peft_with(model_path: Path, folder: Path, n_adapters: int) -> Any:
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(load_base(model_path), folder / "ad0", adapter_name="ad0")
+    model = PeftModel.from_pretrained(
+        load_serving_base(model_path), folder / "ad0", adapter_name="ad0"
+    )
     for i in range(1, n_adapters):
         model.load_adapter(folder / f"ad{i}", adapter_name=f"ad{i}")
     return model.eval()
@@ -168,7 +170,7 @@ def run_peft_mixed(
 
 
 def cold_loads(model_path: Path, folder: Path, n: int) -> list[float]:
-    lora = MultiLoraModel(load_base(model_path), max_adapters=n)
+    lora = MultiLoraModel(load_serving_base(model_path), max_adapters=n)
     cache = AdapterCache(lora, locate=lambda a: folder / a)
     cache.acquire("ad0", hold=False)  # first load also wraps the layers; not a cold load
     times = []
@@ -206,7 +208,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        base = load_base(model_path)
+        base = load_serving_base(model_path)
         for i in range(max(counts)):
             save_random_lora(
                 base, folder / f"ad{i}", r=16, alpha=32, targets=TARGETS, seed=i, std=0.02

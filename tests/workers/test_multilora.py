@@ -23,7 +23,7 @@ from tunefleet.workers.serve.multilora import (
     CacheFullError,
     MultiLoraModel,
     PackedLinear,
-    pack,
+    pack_linear,
 )
 
 TINY = "tiny-llama"
@@ -244,9 +244,9 @@ def test_qlora_adapter_on_a_4bit_base_and_merged_into_its_dequantized_copy(
     from peft import PeftModel
 
     from tunefleet.workers.nf4 import dequantize_4bit_model
-    from tunefleet.workers.serve.multilora import load_base
+    from tunefleet.workers.serve.multilora import load_serving_base
 
-    base = load_base(setup["path"], "nf4")
+    base = load_serving_base(setup["path"], "nf4")
     assert getattr(base, "is_loaded_in_4bit", False)
     lora = MultiLoraModel(base, max_adapters=2)
     slot = AdapterCache(lora, locate=lambda a: setup["folder"] / a).acquire("a2", hold=False)
@@ -254,7 +254,9 @@ def test_qlora_adapter_on_a_4bit_base_and_merged_into_its_dequantized_copy(
     prompts = setup["prompts"][:2]
     got = generate_all(engine, setup["tok"], [(p, GREEDY, slot) for p in prompts])
 
-    peft = PeftModel.from_pretrained(load_base(setup["path"], "nf4"), setup["folder"] / "a2")
+    peft = PeftModel.from_pretrained(
+        load_serving_base(setup["path"], "nf4"), setup["folder"] / "a2"
+    )
     for p, g in zip(prompts, got, strict=True):
         with torch.inference_mode():
             out = peft.generate(input_ids=torch.tensor([p]), max_new_tokens=10, do_sample=False)
@@ -284,9 +286,9 @@ def test_a_4bit_base_dequantizes_into_the_weights_its_forward_multiplies_by(
     from transformers import AutoModelForCausalLM
 
     from tunefleet.workers.nf4 import dequantize_4bit_model
-    from tunefleet.workers.serve.multilora import load_base
+    from tunefleet.workers.serve.multilora import load_serving_base
 
-    nf4 = load_base(setup["path"], "nf4")
+    nf4 = load_serving_base(setup["path"], "nf4")
     layers = {n: m for n, m in nf4.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert len(layers) == 14  # 7 per decoder block; the output layer stays fp32
     expected = {n: dequantize_4bit(m.weight.data, m.weight.quant_state) for n, m in layers.items()}
@@ -448,4 +450,4 @@ def test_linear_layers_are_packed_and_copied_back_plain(tied: bool) -> None:
         assert torch.equal(layer.weight, reference.weight)
         assert (layer.bias is None) == (reference.bias is None)
     assert (copied.lm_head.weight is copied.model.embed_tokens.weight) == tied
-    assert pack(nn.Linear(4, 4).to(torch.float64)) is None  # fp32 only; left as it is
+    assert pack_linear(nn.Linear(4, 4).to(torch.float64)) is None  # fp32 only; left as it is

@@ -33,6 +33,11 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+# Beside the weights of a model a run saved for a method that is not peft LoRA: which
+# method (serving refuses to batch it; training reloads by it).
+METHOD_FILE = "tunefleet_method.json"
+
+
 class ArtifactStore:
     def __init__(self, root: Path):
         self.root = root

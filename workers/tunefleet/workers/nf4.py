@@ -20,6 +20,29 @@ from typing import Any
 from torch import nn
 
 
+def load_4bit(
+    model_path: str, *, quant_type: str, double_quant: bool, compute_dtype: Any, **kwargs: Any
+) -> Any:
+    """A causal LM from ``model_path`` with its linear layers quantized to 4 bits by
+    bitsandbytes, computing in ``compute_dtype`` on every CPU (``keep_compute_dtype``):
+    the base QLoRA trains on and the base its adapters are served on."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path,
+        quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quant_type,
+            bnb_4bit_use_double_quant=double_quant,
+            bnb_4bit_compute_dtype=compute_dtype,
+        ),
+        dtype=compute_dtype,
+        **kwargs,
+    )
+    keep_compute_dtype(model)
+    return model
+
+
 def keep_compute_dtype(model: nn.Module) -> None:
     """Turn off bitsandbytes' AVX512-BF16 CPU path in every ``Linear4bit`` of ``model``:
     their forward then de-quantizes into the compute dtype and multiplies there, as on
@@ -49,7 +72,7 @@ def dequantize_4bit_model(model: Any) -> Any:
             raise ValueError(
                 f"layer {name} was repacked by bitsandbytes for its AVX512-BF16 CPU kernel, "
                 "which multiplies in bf16: no plain layer computes what it does; load the "
-                "base with keep_compute_dtype applied (serve.multilora.load_base does) "
+                "base with keep_compute_dtype applied (nf4.load_4bit does) "
                 "before running it"
             )
         state = copy.copy(state)  # the compute dtype, not the dtype the weight was saved in

@@ -39,7 +39,7 @@ from tunefleet.workers.serve.multilora import (
     AdapterError,
     CacheFullError,
     MultiLoraModel,
-    load_base,
+    load_serving_base,
 )
 
 log = logging.getLogger("tunefleet.serve")
@@ -283,7 +283,7 @@ class LoraServer:
         self.m_evictions = metrics.Counter(
             "tunefleet_adapter_evictions", "Adapters evicted (LRU).", tag_keys=per_adapter
         )
-        base = load_base(model_path, self.options.base_quantization)
+        base = load_serving_base(model_path, self.options.base_quantization)
         self.lora = MultiLoraModel(base, max_adapters=self.options.max_adapters_per_replica)
         self.cache = AdapterCache(
             self.lora,

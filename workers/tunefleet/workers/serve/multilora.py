@@ -2,7 +2,7 @@
 
 Every loaded adapter gets a *slot*; slot 0 is the bare base (all zeros). Each targeted
 ``nn.Linear`` of the base is wrapped by a :class:`BatchedLoraLinear` that keeps the
-adapters' low-rank factors stacked, ``A: [slots, R, in]`` and ``B: [slots, out, R]``
+adapters' low-rank factors stacked, ``A: [slots, in, R]`` and ``B: [slots, R, out]``
 (``B`` pre-multiplied by the adapter's scale, ranks zero-padded to the largest loaded
 ``R``). A forward pass takes one slot per batch row and adds, for the whole batch at once,
 
@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from tunefleet.workers.nf4 import keep_compute_dtype
+from tunefleet.platform.artifacts import METHOD_FILE
+from tunefleet.workers.nf4 import load_4bit
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -191,7 +192,7 @@ class PackedLinear(nn.Module):
         return linear
 
 
-def pack(linear: nn.Module, tied: bool = False) -> PackedLinear | None:
+def pack_linear(linear: nn.Module, tied: bool = False) -> PackedLinear | None:
     """``linear`` packed for oneDNN, or None where it cannot be: not a plain fp32
     ``nn.Linear`` on the CPU, oneDNN missing, or its product differing from
     ``F.linear``'s (checked on a random input)."""
@@ -226,7 +227,7 @@ def read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     refusing what batched serving cannot apply exactly."""
     config_path = folder / "adapter_config.json"
     weights_path = folder / "adapter_model.safetensors"
-    method_path = folder / "tunefleet_method.json"
+    method_path = folder / METHOD_FILE
     if method_path.is_file():
         method = json.loads(method_path.read_text()).get("method")
         raise AdapterError(
@@ -289,27 +290,21 @@ def factors(
     return out
 
 
-def load_base(model_path: str | Path, quantization: str = "none") -> nn.Module:
+def load_serving_base(model_path: str | Path, quantization: str = "none") -> nn.Module:
     """The base model for serving, in fp32 or quantized to 4-bit NF4 (double quantization,
-    fp32 compute on every CPU: see ``nf4``) to serve QLoRA adapters on the base they were
-    trained on."""
+    fp32 compute on every CPU: ``nf4.load_4bit``) to serve QLoRA adapters on the base they
+    were trained on."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    model: nn.Module
     if quantization == "nf4":
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
+        model = load_4bit(
+            str(model_path), quant_type="nf4", double_quant=True, compute_dtype=torch.float32
         )
-    elif quantization != "none":
+    elif quantization == "none":
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    else:
         raise ValueError(f"base_quantization {quantization!r}: use 'none' or 'nf4'")
-    model: nn.Module = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
-    if quantization == "nf4":
-        keep_compute_dtype(model)
     return model.eval()
 
 
@@ -342,7 +337,7 @@ class MultiLoraModel:
         embeddings = model.get_input_embeddings()
         tied = head is not None and embeddings is not None and head.weight is embeddings.weight
         for name, module in list(model.named_modules()):
-            packed = pack(module, tied=tied and module is head)
+            packed = pack_linear(module, tied=tied and module is head)
             if packed is None:
                 continue
             parent_name, _, child = name.rpartition(".")

@@ -24,11 +24,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tunefleet.platform.artifacts import METHOD_FILE
 from tunefleet.platform.spec import PEFT_METHODS, JobSpec
-from tunefleet.workers.nf4 import dequantize_4bit_model, keep_compute_dtype
+from tunefleet.workers.nf4 import dequantize_4bit_model, load_4bit
 
 TRAINABLE_FILE = "trainable.safetensors"
-METHOD_FILE = "tunefleet_method.json"
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,34 +84,28 @@ def decoder_layers(model: Any, purpose: str) -> list[nn.Module]:
 
 
 def load_base(spec: JobSpec, model_path: str) -> Any:
+    """The base model a job trains on: 4-bit for QLoRA (``nf4.load_4bit``), fp32 for full
+    fine-tuning (its master weights) and fp32/fp8 runs, else frozen in 16 bits."""
     from transformers import AutoModelForCausalLM
 
     opts = spec.tunefleet
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
+    if opts.rope_scaling is not None:
+        kwargs["config"] = rope_scaled_config(model_path, opts.rope_scaling)
     if opts.method == "qlora":
-        from transformers import BitsAndBytesConfig
-
         q = opts.qlora
-        compute = COMPUTE_DTYPES[q.compute_dtype]
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=q.quant_type,
-            bnb_4bit_use_double_quant=q.double_quant,
-            bnb_4bit_compute_dtype=compute,
+        return load_4bit(
+            model_path,
+            quant_type=q.quant_type,
+            double_quant=q.double_quant,
+            compute_dtype=COMPUTE_DTYPES[q.compute_dtype],
+            **kwargs,
         )
-        kwargs["dtype"] = compute
-    elif opts.method == "full" or opts.precision in ("fp32", "fp8"):
+    if opts.method == "full" or opts.precision in ("fp32", "fp8"):
         kwargs["dtype"] = torch.float32  # full fine-tuning keeps fp32 master weights
     else:
         kwargs["dtype"] = DTYPES[opts.precision]  # a frozen base in 16 bits
-    if opts.rope_scaling is not None:
-        kwargs["config"] = rope_scaled_config(model_path, opts.rope_scaling)
-    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", **kwargs)
-    if opts.method == "qlora":
-        # else the first evaluation (eval mode, no gradients) on an AVX512-BF16 CPU switches
-        # the 4-bit layers to a bf16 kernel, one without a backward, for the rest of the run
-        keep_compute_dtype(model)
-    return model
+    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
 
 
 def rope_scaled_config(model_path: str, scaling: Any) -> Any:
