@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Header, Query, Request
 from sqlalchemy import Row, select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from tunefleet.api.deps import (
     PrincipalDep,
@@ -31,6 +32,7 @@ from tunefleet.platform.jobs import (
 )
 from tunefleet.platform.planner import PlanDevice
 from tunefleet.platform.status import JobStatus, sources, transition
+from tunefleet.platform.tenants import Principal
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 # The convention for routes: plain ``def`` (FastAPI runs them in its thread pool), except
@@ -141,28 +143,36 @@ async def retrieve(
 
 @router.post("/{job_id}/cancel", responses={**ok(JobObject), **errors(404, 409)})
 def cancel(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
-    job = get_job(session, principal, job_id)
-    transition(session, job.id, sources(S.CANCELLED), S.CANCELLED, "Job cancelled by request")
-    session.commit()
-    session.refresh(job)
-    return job_view(job)
+    return _move(
+        session, principal, job_id, sources(S.CANCELLED), S.CANCELLED, "Job cancelled by request"
+    )
 
 
 @router.post("/{job_id}/pause", responses={**ok(JobObject), **errors(404, 409)})
 def pause(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     """A running job checkpoints at its next step and stops; a queued one just waits."""
-    job = get_job(session, principal, job_id)
-    transition(session, job.id, sources(S.PAUSED), S.PAUSED, "Job paused by request")
-    session.commit()
-    session.refresh(job)
-    return job_view(job)
+    return _move(session, principal, job_id, sources(S.PAUSED), S.PAUSED, "Job paused by request")
 
 
 @router.post("/{job_id}/resume", responses={**ok(JobObject), **errors(404, 409)})
 def resume(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     """Queue a paused job again; its next run continues from its newest checkpoint."""
+    message = "Job resumed by request; queued"
+    return _move(session, principal, job_id, [S.PAUSED], S.QUEUED, message)
+
+
+def _move(
+    session: Session,
+    principal: Principal,
+    job_id: str,
+    src: list[JobStatus],
+    dst: JobStatus,
+    message: str,
+) -> dict[str, Any]:
+    """A tenant's request to move its job (a compare-and-set, 409 from any other state),
+    committed; the job as it is now."""
     job = get_job(session, principal, job_id)
-    transition(session, job.id, S.PAUSED, S.QUEUED, "Job resumed by request; queued")
+    transition(session, job.id, src, dst, message)
     session.commit()
     session.refresh(job)
     return job_view(job)
