@@ -198,7 +198,7 @@ def _merge_into_copy(base: Any, folder: Path) -> Any:
     return PeftModel.from_pretrained(base, str(folder)).merge_and_unload().eval()
 
 
-class _Run:
+class _Answer:
     """The choices of one request, decoded in the shared batch; iterate for
     ``(choice index, text delta, Finished | None)`` as they come. Leaving early (a client
     that disconnects) cancels the rows; the adapter is released at the end either way."""
@@ -209,21 +209,21 @@ class _Run:
         engine: BatchEngine,
         slot: int,
         adapter_id: str,
-        jobs: list[tuple[list[int], Sampling]],
+        choices: list[tuple[list[int], Sampling]],
     ):
         self.server, self.engine, self.slot, self.adapter_id = server, engine, slot, adapter_id
-        self.jobs = jobs
+        self.choices = choices
         self.done: list[Finished] = []
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, str, Finished | None]]:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        streams = [TextStream(self.server.tokenizer, s, len(p)) for p, s in self.jobs]
-        finished: list[Finished | None] = [None] * len(self.jobs)
+        streams = [TextStream(self.server.tokenizer, s, len(p)) for p, s in self.choices]
+        finished: list[Finished | None] = [None] * len(self.choices)
         rows = []
         try:  # rows submitted before a failing one are cancelled, the adapter released
-            for i, (p, s) in enumerate(self.jobs):
+            for i, (p, s) in enumerate(self.choices):
                 rows.append(self.engine.submit(p, s, self.slot, _sink(loop, queue, i)))
             while any(f is None for f in finished):
                 i, token, finish = await queue.get()
@@ -486,19 +486,19 @@ class LoraServer:
             except CacheFullError as exc:
                 return _error(503, str(exc), "adapter_cache_full")
         # one choice per prompt and sample: index = prompt * n + sample, as OpenAI numbers them
-        jobs = [(p, req.sampling(max_new, k)) for p in prompts for k in range(req.n)]
-        run = _Run(self, engine, slot, adapter_id, jobs)
+        rows = [(p, req.sampling(max_new, k)) for p in prompts for k in range(req.n)]
+        answer = _Answer(self, engine, slot, adapter_id, rows)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "created": int(time.time()),
             "model": req.model,
         }
         if req.stream:
-            events = self._stream(req, run, head, chat=chat)
+            events = self._stream(req, answer, head, chat=chat)
             return StreamingResponse(events, media_type="text/event-stream")
-        async for _ in run:
+        async for _ in answer:
             pass
-        done = run.done
+        done = answer.done
         choices = [
             {"index": i, "message": {"role": "assistant", "content": f.text}}
             if chat
@@ -525,7 +525,7 @@ class LoraServer:
         self.m_latency.observe(time.perf_counter() - started, tags=tags)
 
     async def _stream(
-        self, req: _GenerationRequest, run: "_Run", head: dict[str, Any], *, chat: bool
+        self, req: _GenerationRequest, answer: "_Answer", head: dict[str, Any], *, chat: bool
     ) -> AsyncIterator[str]:
         """Server-sent events: each choice's deltas as the batch makes them."""
         usage = req.stream_options is not None and req.stream_options.include_usage
@@ -545,11 +545,11 @@ class LoraServer:
             return {"index": i, **body, "logprobs": None, "finish_reason": finish}
 
         if chat:
-            for i in range(len(run.jobs)):
+            for i in range(len(answer.choices)):
                 first = {"index": i, "delta": {"role": "assistant", "content": ""}}
                 yield event([{**first, "logprobs": None, "finish_reason": None}])
         try:
-            async for i, delta, finished in run:
+            async for i, delta, finished in answer:
                 if delta:
                     yield event([choice(i, delta, None)])
                 if finished is not None:
@@ -559,7 +559,7 @@ class LoraServer:
             yield f"data: {json.dumps({'error': error})}\n\n"
             return
         if usage:
-            yield event([], usage=_usage(run.done, [p for p, _ in run.jobs[:: req.n]]))
+            yield event([], usage=_usage(answer.done, [p for p, _ in answer.choices[:: req.n]]))
         yield "data: [DONE]\n\n"
 
     @app.get("/healthz")

@@ -38,12 +38,12 @@ Sink = Callable[[int | None, Any], None]
 
 
 @dataclass(eq=False)
-class Request:
+class Row:
     prompt: list[int]
     sampling: Sampling
     slot: int
     sink: Sink
-    cancelled: bool = False
+    ended: bool = False  # finished (stop, length), cancelled or failed: no more tokens
     # decode state
     generated: int = 0
     length: int = 0  # real tokens in the cache = the next position id
@@ -51,7 +51,8 @@ class Request:
     gen: torch.Generator | None = field(default=None, repr=False)
 
     def cancel(self) -> None:
-        self.cancelled = True
+        """End the row early (its client left, or a stop string ended it)."""
+        self.ended = True
 
 
 class BatchEngine:
@@ -70,18 +71,18 @@ class BatchEngine:
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.pad_id = pad_id
-        self.pending: queue.Queue[Request] = queue.Queue()
-        self.active: list[Request] = []
+        self.pending: queue.Queue[Row] = queue.Queue()
+        self.active: list[Row] = []
         self.cache: BatchCache | None = None
         self.mask: torch.Tensor | None = None  # [rows, T] 1 = real token
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     # -- submission ------------------------------------------------------------------------
-    def submit(self, prompt: list[int], sampling: Sampling, slot: int, sink: Sink) -> Request:
+    def submit(self, prompt: list[int], sampling: Sampling, slot: int, sink: Sink) -> Row:
         if not prompt:
             raise ValueError("empty prompt")
-        req = Request(list(prompt), sampling, slot, sink)
+        req = Row(list(prompt), sampling, slot, sink)
         if sampling.seed is not None:
             req.gen = torch.Generator().manual_seed(sampling.seed)
         self.pending.put(req)
@@ -120,10 +121,10 @@ class BatchEngine:
                 time.sleep(self.batch_wait_s)
             self.step(first)
 
-    def step(self, first: Request | None = None) -> None:
+    def step(self, first: Row | None = None) -> None:
         """Admit what is waiting (``first``, then the queue, up to the batch size), then one
         decode step for all."""
-        new: list[Request] = [first] if first is not None and not first.cancelled else []
+        new: list[Row] = [first] if first is not None and not first.ended else []
         try:
             self._drop_finished()
             while len(self.active) + len(new) < self.max_batch_size:
@@ -131,7 +132,7 @@ class BatchEngine:
                     req = self.pending.get_nowait()
                 except queue.Empty:
                     break
-                if not req.cancelled:
+                if not req.ended:
                     new.append(req)
             if new:
                 self._prefill(new)
@@ -140,8 +141,8 @@ class BatchEngine:
             self._drop_finished()
         except Exception as exc:  # fail every request of the batch, keep serving
             for req in {id(r): r for r in [*self.active, *new]}.values():
-                if not req.cancelled:
-                    req.cancelled = True
+                if not req.ended:
+                    req.ended = True
                     req.sink(None, exc)
             self.active, self.cache, self.mask = [], None, None
 
@@ -152,7 +153,7 @@ class BatchEngine:
     # -- the model -------------------------------------------------------------------------
     def _forward(
         self,
-        rows: list[Request],
+        rows: list[Row],
         ids: torch.Tensor,
         mask: torch.Tensor,
         positions: torch.Tensor,
@@ -174,10 +175,10 @@ class BatchEngine:
         logits: torch.Tensor = out.logits[:, -1, :]
         return logits
 
-    def _prefill(self, new: list[Request]) -> None:
+    def _prefill(self, new: list[Row]) -> None:
         """Prefill in groups of similar prompt length, so padding stays under
         ``PREFILL_PADDING`` of the tokens computed."""
-        group: list[Request] = []
+        group: list[Row] = []
         for req in sorted(new, key=lambda r: len(r.prompt)):
             width = len(req.prompt)  # the longest so far: the list is sorted
             real = sum(len(r.prompt) for r in group) + width
@@ -187,7 +188,7 @@ class BatchEngine:
             group.append(req)
         self._prefill_group(group)
 
-    def _prefill_group(self, new: list[Request]) -> None:
+    def _prefill_group(self, new: list[Row]) -> None:
         width = max(len(r.prompt) for r in new)
         ids = torch.full((len(new), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(new), width), dtype=torch.long)
@@ -202,7 +203,7 @@ class BatchEngine:
         self._join(new, cache, mask)
         self._emit(new, logits)
 
-    def _join(self, new: list[Request], cache: BatchCache, mask: torch.Tensor) -> None:
+    def _join(self, new: list[Row], cache: BatchCache, mask: torch.Tensor) -> None:
         """Append prefilled rows to the running batch, left-padding the shorter cache."""
         if self.cache is None or self.mask is None or not self.active:
             self.active, self.cache, self.mask = list(new), cache, mask
@@ -225,29 +226,29 @@ class BatchEngine:
             r.length += 1
         self._emit(rows, logits)
 
-    def _emit(self, rows: list[Request], logits: torch.Tensor) -> None:
+    def _emit(self, rows: list[Row], logits: torch.Tensor) -> None:
         greedy = logits.argmax(-1).tolist()
         for i, r in enumerate(rows):
-            if r.cancelled:
+            if r.ended:
                 continue
             s = r.sampling
             token = greedy[i] if s.temperature == 0 else pick_token(logits[i], s, r.gen)
             if token in self.eos:
-                r.cancelled = True
+                r.ended = True
                 r.sink(None, "stop")
                 continue
             r.generated += 1
             r.last = token
             r.sink(token, None)
             if r.generated >= s.max_tokens:
-                r.cancelled = True
+                r.ended = True
                 r.sink(None, "length")
 
     def _drop_finished(self) -> None:
         """Remove ended rows from the batch and the cache, and trim padding columns."""
-        if not any(r.cancelled for r in self.active):
+        if not any(r.ended for r in self.active):
             return
-        keep = [i for i, r in enumerate(self.active) if not r.cancelled]
+        keep = [i for i, r in enumerate(self.active) if not r.ended]
         self.active = [self.active[i] for i in keep]
         if not keep or self.cache is None or self.mask is None:
             self.active, self.cache, self.mask = [], None, None
