@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from tunefleet.workers.serve.kvcache import GROW, BatchCache
 from tunefleet.workers.serve.multilora import (
     AdapterCache,
     AdapterError,
+    AdapterInUse,
     CacheFullError,
     MultiLoraModel,
     PackedLinear,
@@ -451,3 +453,33 @@ def test_linear_layers_are_packed_and_copied_back_plain(tied: bool) -> None:
         assert (layer.bias is None) == (reference.bias is None)
     assert (copied.lm_head.weight is copied.model.embed_tokens.weight) == tied
     assert pack_linear(nn.Linear(4, 4).to(torch.float64)) is None  # fp32 only; left as it is
+
+
+def test_a_slow_adapter_read_holds_up_no_loaded_adapter(setup: dict[str, Any]) -> None:
+    """acquire held the cache's lock while it read an adapter's files: a slow disk (a
+    network volume) held up every request, those of loaded adapters too. An adapter in
+    use is refused unloading as in use (it was reported as a full cache)."""
+    import threading
+
+    _, cache = _server(setup, max_adapters=4)
+    cache.acquire("a1", hold=False)
+    locate, reading, release = cache.locate, threading.Event(), threading.Event()
+
+    def slow_disk(adapter_id: str) -> Path:
+        if adapter_id == "a2":
+            reading.set()
+            release.wait(30)
+        return Path(locate(adapter_id))
+
+    cache.locate = slow_disk
+    loading = threading.Thread(target=cache.acquire, args=("a2",), kwargs={"hold": False})
+    loading.start()
+    assert reading.wait(10)
+    started = time.perf_counter()
+    cache.acquire("a1")  # answered while a2 is still being read
+    assert time.perf_counter() - started < 1
+    with pytest.raises(AdapterInUse, match="1 request"):
+        cache.unload("a1")
+    release.set()
+    loading.join(10)
+    assert {e["id"] for e in cache.loaded()} == {"a1", "a2"}

@@ -37,6 +37,7 @@ from tunefleet.workers.serve.generate import Finished, Sampling, TextStream, eos
 from tunefleet.workers.serve.multilora import (
     AdapterCache,
     AdapterError,
+    AdapterInUse,
     CacheFullError,
     MultiLoraModel,
     load_serving_base,
@@ -392,7 +393,7 @@ class LoraServer:
     async def unload_adapter(self, adapter_id: str) -> Any:
         try:
             unloaded = await asyncio.to_thread(self.cache.unload, adapter_id)
-        except CacheFullError as exc:
+        except AdapterInUse as exc:
             return _error(409, str(exc), "adapter_in_use")
         return {"id": adapter_id, "unloaded": unloaded}
 

@@ -49,6 +49,10 @@ class CacheFullError(RuntimeError):
     """Every slot holds a pinned adapter or one with requests in flight."""
 
 
+class AdapterInUse(RuntimeError):
+    """The adapter cannot be unloaded: requests are using it."""
+
+
 @dataclass
 class _Rows:
     """Which slot each row of the batch being computed uses (set by the engine), and the
@@ -456,13 +460,20 @@ class AdapterCache:
 
     def acquire(self, adapter_id: str, *, pin: bool | None = None, hold: bool = True) -> int:
         """The slot of ``adapter_id``, loading it first if needed; with ``hold`` the caller
-        has a request in flight and must ``release`` it."""
+        has a request in flight and must ``release`` it. The adapter's files are read
+        outside the lock: a slow disk holds up no request of a loaded adapter."""
+        parts: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        started = time.perf_counter()
+        with self._lock:
+            loaded_already = adapter_id in self._entries
+        if not loaded_already:
+            config, weights = read_adapter(self.locate(adapter_id))
+            parts = factors(config, weights)
         with self._lock:
             entry = self._entries.get(adapter_id)
             if entry is None:
-                started = time.perf_counter()
-                config, weights = read_adapter(self.locate(adapter_id))
-                parts = factors(config, weights)
+                if parts is None:  # evicted meanwhile: read again (rare)
+                    parts = factors(*read_adapter(self.locate(adapter_id)))
                 slot = self._free_slot()
                 self.lora.write(slot, parts)
                 rank = max(a.shape[0] for a, _ in parts.values())
@@ -491,7 +502,7 @@ class AdapterCache:
             if entry is None:
                 return False
             if entry.in_flight:
-                raise CacheFullError(
+                raise AdapterInUse(
                     f"adapter {adapter_id!r} has {entry.in_flight} request(s) in flight; "
                     "unload it when they finish"
                 )
