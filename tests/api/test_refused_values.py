@@ -136,3 +136,18 @@ def test_an_unknown_field_holding_an_integer_beyond_64_bits_is_a_400(
     assert f"field 'x' holds the integer {-(2**65)}" in error(resp, 400)["message"]
     kept = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json={**body, "x": 2**63})
     assert kept.status_code == 200, kept.text
+
+
+@pytest.mark.parametrize("value", ['"0"', '"-3"', "true", "false"])
+def test_a_hyperparameter_as_a_string_or_a_bool_is_held_to_its_bounds(
+    app_client: TestClient, key_a: str, value: str
+) -> None:
+    """A number sent as a string ("0") or a bool passed the bounds check and was refused
+    only when the spec was built, naming the wrong field (found by the spec properties)."""
+    body = '{"model": "%s", "training_file": "file-x", "hyperparameters": {"n_epochs": %s}}'
+    resp = app_client.post(
+        "/v1/fine_tuning/jobs",
+        headers={**H(key_a), "Content-Type": "application/json"},
+        content=body % (TINY, value),
+    )
+    assert error(resp, 400)["param"] == "hyperparameters.n_epochs"

@@ -62,11 +62,19 @@ class HyperparametersIn(BaseModel):
 
     @field_validator("n_epochs", "batch_size", "learning_rate_multiplier", mode="before")
     @classmethod
+    def _not_a_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # pydantic would read true as 1
+            raise ValueError("must be 'auto' or a number, not true or false")
+        return v
+
+    @field_validator("n_epochs", "batch_size", "learning_rate_multiplier")
+    @classmethod
     def _bounded(cls, v: Any, info: ValidationInfo) -> Any:
-        """The spec's bounds (``Hyperparameters``), checked here so that the refusal names
-        the field as the request spelled it."""
-        if v == "auto" or isinstance(v, bool) or not isinstance(v, int | float):
-            return v  # pydantic names the wrong type
+        """The spec's bounds (``Hyperparameters``), checked here (after a number given as
+        a string was read) so that the refusal names the field as the request spelled
+        it."""
+        if v == "auto":
+            return v
         low, high = _HYPERPARAMETER_BOUNDS[info.field_name or ""]
         if not math.isfinite(v) or not low <= v <= high or v == 0:
             span = f"above 0 and at most {high}" if low == 0 else f"from {low} to {high}"
