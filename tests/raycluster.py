@@ -80,6 +80,21 @@ def stop_group(pgid: int, grace_s: float = 15) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:
+    """SIGTERM the process group ``proc`` leads (started with ``start_new_session``),
+    SIGKILL it after ``grace_s``; ``proc`` is reaped."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @contextlib.contextmanager
 def ray_cluster(num_cpus: int) -> Iterator[RayCluster]:
     """Start a one-node cluster of ``num_cpus`` logical CPUs; stop its process group on exit.

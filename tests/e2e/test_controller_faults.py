@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import select
 
 from conftest import add_chat_file
-from raycluster import free_port
+from raycluster import free_port, stop_process
 from raycluster import ray_cluster as start_ray_cluster
 from tunefleet.platform.artifacts import ArtifactStore
 from tunefleet.platform.db import Checkpoint, Job, JobEvent, session_scope
@@ -108,15 +108,6 @@ def _controller(
     return proc, path
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 def _statuses(url: str, ids: list[str]) -> dict[str, str]:
     with session_scope(url) as s:
         return dict(s.execute(select(Job.id, Job.status).where(Job.id.in_(ids))).all())
@@ -164,7 +155,7 @@ def test_two_tenants_share_two_slots_fairly(platform: dict[str, Any]) -> None:
     try:
         _wait_terminal(platform, ids, [ctl])
     finally:
-        _stop(ctl)
+        stop_process(ctl)
     assert set(_statuses(platform["url"], ids).values()) == {"succeeded"}
     with session_scope(platform["url"]) as s:
         history = list(
@@ -226,8 +217,8 @@ def test_sigkill_at_each_step_of_dispatch_loses_nothing_and_trains_once(
         standby_log = second_log if standby is second else first_log
         assert "controller leads" in standby_log.read_text()
     finally:
-        _stop(first)
-        _stop(second)
+        stop_process(first)
+        stop_process(second)
 
     assert set(_statuses(platform["url"], ids).values()) == {"succeeded"}
     runs = _ray_runs(platform)
@@ -253,7 +244,7 @@ def test_a_full_disk_at_a_checkpoint_fails_the_job_clearly_and_keeps_the_one_bef
     try:
         _wait_terminal(platform, [job_id], [ctl])
     finally:
-        _stop(ctl)
+        stop_process(ctl)
     with session_scope(platform["url"]) as s:
         job = s.get(Job, job_id)
         assert job is not None and job.status == "failed", log.read_text()[-3000:]

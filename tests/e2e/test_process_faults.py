@@ -23,7 +23,7 @@ import pytest
 
 from conftest import auth
 from pg import PgServer, postgres_server
-from raycluster import free_port
+from raycluster import free_port, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -202,9 +202,4 @@ def test_postgres_away_then_tunefleet_up_killed_mid_training_lose_nothing(
         assert not [e for e in events if e["level"] == "error"], messages
     finally:
         print(log_path.read_text()[-8000:])  # shown when the test fails
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
+        stop_process(up, grace_s=60)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ import httpx
 import pytest
 
 from conftest import auth
-from raycluster import free_port
+from raycluster import free_port, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -97,11 +96,7 @@ def stack(
             "metrics": f"http://127.0.0.1:{ray_cluster.metrics_port}/metrics",
         }
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process(proc, grace_s=60)
         log.close()
 
 
