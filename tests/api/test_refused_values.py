@@ -151,3 +151,16 @@ def test_a_hyperparameter_as_a_string_or_a_bool_is_held_to_its_bounds(
         content=body % (TINY, value),
     )
     assert error(resp, 400)["param"] == "hyperparameters.n_epochs"
+
+
+@pytest.mark.parametrize(
+    "metadata,says",
+    [({"k" * 65: "v"}, "is 65 characters; at most 64"), ({"k": "v" * 513}, "at most 512")],
+)
+def test_metadata_keys_and_values_are_bounded_as_openai_bounds_them(
+    app_client: TestClient, key_a: str, metadata: dict[str, str], says: str
+) -> None:
+    body = {"model": TINY, "training_file": "file-x", "metadata": metadata}
+    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body)
+    err = error(resp, 400)
+    assert err["param"] == "metadata" and says in err["message"]

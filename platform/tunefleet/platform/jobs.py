@@ -143,8 +143,19 @@ class JobCreateRequest(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v is not None and len(v) > 16:
+        if v is None:
+            return v
+        if len(v) > 16:
             raise ValueError(f"metadata has {len(v)} keys; at most 16 are allowed")
+        for key, value in v.items():  # OpenAI's bounds
+            if len(key) > 64:
+                raise ValueError(
+                    f"metadata key {key[:20]!r}... is {len(key)} characters; at most 64"
+                )
+            if len(value) > 512:
+                raise ValueError(
+                    f"metadata value of {key!r} is {len(value)} characters; at most 512"
+                )
         return v
 
     @model_validator(mode="after")
