@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from tinyllm import save_random_lora
+from tunefleet.workers.serve.adapter_cache import AdapterCache
 from tunefleet.workers.serve.engine import BatchEngine, generate_all
 from tunefleet.workers.serve.generate import Finished, Sampling, TextStream, eos_ids
-from tunefleet.workers.serve.multilora import AdapterCache, MultiLoraModel
+from tunefleet.workers.serve.multilora import MultiLoraModel
 
 TINY = "tiny-llama"
 

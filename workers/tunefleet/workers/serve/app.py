@@ -32,16 +32,11 @@ from transformers import AutoTokenizer
 
 from tunefleet.platform.artifacts import ArtifactStore
 from tunefleet.workers.nf4 import dequantize_4bit_model
+from tunefleet.workers.serve.adapter_cache import AdapterCache, AdapterInUse, CacheFullError
+from tunefleet.workers.serve.adapters import AdapterError, load_serving_base
 from tunefleet.workers.serve.engine import BatchEngine
 from tunefleet.workers.serve.generate import Finished, Sampling, TextStream, eos_ids
-from tunefleet.workers.serve.multilora import (
-    AdapterCache,
-    AdapterError,
-    AdapterInUse,
-    CacheFullError,
-    MultiLoraModel,
-    load_serving_base,
-)
+from tunefleet.workers.serve.multilora import MultiLoraModel
 
 log = logging.getLogger("tunefleet.serve")
 

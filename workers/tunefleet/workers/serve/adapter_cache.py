@@ -1,0 +1,144 @@
+"""Which adapters hold a slot of a replica's batched model: loaded on demand from their
+folder, the least recently used unpinned adapter with no request in flight evicted when
+the slots are full, pinned adapters kept."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tunefleet.workers.serve.adapters import factors, read_adapter
+from tunefleet.workers.serve.multilora import MultiLoraModel
+
+
+class CacheFullError(RuntimeError):
+    """Every slot holds a pinned adapter or one with requests in flight."""
+
+
+class AdapterInUse(RuntimeError):
+    """The adapter cannot be unloaded: requests are using it."""
+
+
+@dataclass
+class LoadedAdapter:
+    adapter_id: str
+    slot: int
+    rank: int
+    modules: int
+    load_s: float
+
+
+@dataclass
+class _Entry:
+    loaded: LoadedAdapter
+    pinned: bool = False
+    in_flight: int = 0
+
+
+@dataclass
+class AdapterCache:
+    """Which adapters hold a slot: LRU eviction of unpinned adapters with nothing in
+    flight. ``locate(adapter_id)`` gives the adapter's peft folder."""
+
+    lora: MultiLoraModel
+    locate: Any  # Callable[[str], Path]
+    on_load: Any = None  # Callable[[str], None]
+    on_evict: Any = None  # Callable[[str], None]
+    _entries: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def capacity(self) -> int:
+        return self.lora.max_adapters
+
+    def loaded(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [
+                {
+                    "id": e.loaded.adapter_id,
+                    "slot": e.loaded.slot,
+                    "rank": e.loaded.rank,
+                    "pinned": e.pinned,
+                    "in_flight": e.in_flight,
+                    "load_ms": round(e.loaded.load_s * 1000, 2),
+                }
+                for e in self._entries.values()
+            ]
+
+    def _free_slot(self) -> int:
+        used = {e.loaded.slot for e in self._entries.values()}
+        for slot in range(1, self.capacity + 1):
+            if slot not in used:
+                return slot
+        for adapter_id, entry in self._entries.items():  # oldest first
+            if not entry.pinned and entry.in_flight == 0:
+                del self._entries[adapter_id]
+                self.lora.clear(entry.loaded.slot)
+                if self.on_evict:
+                    self.on_evict(adapter_id)
+                return entry.loaded.slot
+        raise CacheFullError(
+            f"all {self.capacity} adapter slots hold pinned adapters or adapters with "
+            "requests in flight; unpin one or raise max_adapters_per_replica"
+        )
+
+    def acquire(self, adapter_id: str, *, pin: bool | None = None, hold: bool = True) -> int:
+        """The slot of ``adapter_id``, loading it first if needed; with ``hold`` the caller
+        has a request in flight and must ``release`` it. The adapter's files are read
+        outside the lock: a slow disk holds up no request of a loaded adapter."""
+        parts: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        started = time.perf_counter()
+        with self._lock:
+            loaded_already = adapter_id in self._entries
+        if not loaded_already:
+            config, weights = read_adapter(self.locate(adapter_id))
+            parts = factors(config, weights)
+        with self._lock:
+            entry = self._entries.get(adapter_id)
+            if entry is None:
+                if parts is None:  # evicted meanwhile: read again (rare)
+                    parts = factors(*read_adapter(self.locate(adapter_id)))
+                slot = self._free_slot()
+                self.lora.write(slot, parts)
+                rank = max(a.shape[0] for a, _ in parts.values())
+                loaded = LoadedAdapter(
+                    adapter_id, slot, rank, len(parts), time.perf_counter() - started
+                )
+                entry = self._entries[adapter_id] = _Entry(loaded)
+                if self.on_load:
+                    self.on_load(adapter_id)
+            self._entries.move_to_end(adapter_id)
+            if pin is not None:
+                entry.pinned = pin
+            entry.in_flight += hold
+            return entry.loaded.slot
+
+    def release(self, adapter_id: str) -> None:
+        with self._lock:
+            entry = self._entries.get(adapter_id)
+            if entry is not None and entry.in_flight > 0:
+                entry.in_flight -= 1
+
+    def unload(self, adapter_id: str) -> bool:
+        """Drop an adapter now; refused while requests use it. False if not loaded."""
+        with self._lock:
+            entry = self._entries.get(adapter_id)
+            if entry is None:
+                return False
+            if entry.in_flight:
+                raise AdapterInUse(
+                    f"adapter {adapter_id!r} has {entry.in_flight} request(s) in flight; "
+                    "unload it when they finish"
+                )
+            del self._entries[adapter_id]
+            self.lora.clear(entry.loaded.slot)
+            return True
+
+    def load_time(self, adapter_id: str) -> float:
+        with self._lock:
+            return self._entries[adapter_id].loaded.load_s
