@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tunefleet.platform.artifacts import METHOD_FILE
-from tunefleet.workers.nf4 import load_4bit
+from tunefleet.workers.nf4 import dequantize_4bit_model, load_4bit
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -107,3 +107,13 @@ def load_serving_base(model_path: str | Path, quantization: str = "none") -> nn.
     else:
         raise ValueError(f"base_quantization {quantization!r}: use 'none' or 'nf4'")
     return model.eval()
+
+
+def merge_into_copy(base: Any, folder: Path) -> Any:
+    """The adapter merged (``merge_and_unload``) into ``base``, a copy of the served base;
+    a 4-bit base is first de-quantized into the weights its forward multiplies by."""
+    from peft import PeftModel
+
+    if getattr(base, "is_loaded_in_4bit", False):
+        base = dequantize_4bit_model(base)
+    return PeftModel.from_pretrained(base, str(folder)).merge_and_unload().eval()

@@ -22,21 +22,31 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from transformers import AutoTokenizer
 
 from tunefleet.platform.artifacts import ArtifactStore
-from tunefleet.workers.nf4 import dequantize_4bit_model
 from tunefleet.workers.serve.adapter_cache import AdapterCache, AdapterInUse, CacheFullError
-from tunefleet.workers.serve.adapters import AdapterError, load_serving_base
+from tunefleet.workers.serve.adapters import AdapterError, load_serving_base, merge_into_copy
+from tunefleet.workers.serve.answer import Answer
 from tunefleet.workers.serve.engine import BatchEngine
-from tunefleet.workers.serve.generate import Finished, Sampling, TextStream, eos_ids
+from tunefleet.workers.serve.generate import Finished, eos_ids
 from tunefleet.workers.serve.multilora import MultiLoraModel
+from tunefleet.workers.serve.openai_api import (
+    MAX_ROWS_PER_REQUEST,
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    error,
+    parse,
+    unservable,
+    usage,
+)
 
 log = logging.getLogger("tunefleet.serve")
 
@@ -65,178 +75,6 @@ class ServingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     merged: list[str] = Field(default_factory=list)
     pinned: list[str] = Field(default_factory=list)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | None = None
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-# Bounds on what one request may cost a replica (every other tenant's rows share its batch).
-MAX_ROWS_PER_REQUEST = 64  # prompts x n
-MAX_MESSAGES = 2048
-MAX_STOP = 4  # as OpenAI
-MAX_STOP_CHARS = 256
-
-
-class _GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1, le=4096)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=16)
-    # torch seeds a generator with a 64-bit integer; each of n choices adds its index
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: (
-        Annotated[str, Field(max_length=MAX_STOP_CHARS)]
-        | Annotated[
-            list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP)
-        ]
-        | None
-    ) = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-    def sampling(self, max_tokens: int, choice: int) -> Sampling:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return Sampling(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            # each of n choices draws its own sample, reproducibly when seeded
-            seed=None if self.seed is None else self.seed + choice,
-            stop=tuple(s for s in stops[:4] if s),
-        )
-
-
-class ChatRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=4096)
-
-
-class CompletionRequest(_GenerationRequest):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_ROWS_PER_REQUEST)]
-
-
-_Req = TypeVar("_Req", bound=BaseModel)
-
-
-# Module-level helpers the deployment uses sit above it: Serve's class-based ingress
-# serializes the class when it is decorated, with the globals defined by then.
-def _usage(done: list[Finished], prompts: list[list[int]]) -> dict[str, int]:
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(f.completion_tokens for f in done)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def _unservable(adapter_id: str, exc: AdapterError) -> JSONResponse:
-    """400: an adapter batched serving cannot apply exactly (DoRA, trained biases, another
-    base's shapes...): the request is fine, the adapter needs the merged mode."""
-    return _error(
-        400,
-        f"adapter {adapter_id!r} cannot be served batched: {exc}; an admin can serve it merged "
-        "(PATCH /v1/admin/adapters/{model} with serving_mode 'merged')",
-        "adapter_unservable",
-    )
-
-
-def _error(status: int, message: str, code: str, param: str | None = "model") -> JSONResponse:
-    return JSONResponse(
-        status_code=status,
-        content={
-            "error": {
-                "message": message,
-                "type": "invalid_request_error" if status < 500 else "server_error",
-                "param": param,
-                "code": code,
-            }
-        },
-    )
-
-
-async def _parse(model: type[_Req], request: Request) -> _Req | JSONResponse:
-    """The request body as ``model``, or the 400 that names what is wrong with it."""
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as exc:
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": ()}
-        loc = first.get("loc", ())
-        param = str(loc[0]) if loc else None  # the request's field (pydantic adds union tags)
-        detail = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors[:5]
-        )
-        return _error(400, f"invalid request: {detail}", "invalid_request", param=param)
-
-
-def _sink(loop: asyncio.AbstractEventLoop, out: "asyncio.Queue[Any]", index: int) -> Any:
-    """An engine sink that hands (choice index, token, finish) to the request's event loop."""
-    return lambda token, finish: loop.call_soon_threadsafe(out.put_nowait, (index, token, finish))
-
-
-def _merge_into_copy(base: Any, folder: Path) -> Any:
-    """The adapter merged (``merge_and_unload``) into ``base``, a copy of the served base;
-    a 4-bit base is first de-quantized into the weights its forward multiplies by."""
-    from peft import PeftModel
-
-    if getattr(base, "is_loaded_in_4bit", False):
-        base = dequantize_4bit_model(base)
-    return PeftModel.from_pretrained(base, str(folder)).merge_and_unload().eval()
-
-
-class _Answer:
-    """The choices of one request, decoded in the shared batch; iterate for
-    ``(choice index, text delta, Finished | None)`` as they come. Leaving early (a client
-    that disconnects) cancels the rows; the adapter is released at the end either way."""
-
-    def __init__(
-        self,
-        server: "LoraServer",
-        engine: BatchEngine,
-        slot: int,
-        adapter_id: str,
-        choices: list[tuple[list[int], Sampling]],
-    ):
-        self.server, self.engine, self.slot, self.adapter_id = server, engine, slot, adapter_id
-        self.choices = choices
-        self.done: list[Finished] = []
-
-    async def __aiter__(self) -> AsyncIterator[tuple[int, str, Finished | None]]:
-        started = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        streams = [TextStream(self.server.tokenizer, s, len(p)) for p, s in self.choices]
-        finished: list[Finished | None] = [None] * len(self.choices)
-        rows = []
-        try:  # rows submitted before a failing one are cancelled, the adapter released
-            for i, (p, s) in enumerate(self.choices):
-                rows.append(self.engine.submit(p, s, self.slot, _sink(loop, queue, i)))
-            while any(f is None for f in finished):
-                i, token, finish = await queue.get()
-                if finished[i] is not None:
-                    continue
-                delta, end = streams[i].feed(token, finish)
-                if end is not None:
-                    rows[i].cancel()  # a stop string ended it; no-op once the row ended
-                finished[i] = end
-                yield i, delta, end
-            self.done = [f for f in finished if f is not None]
-            self.server.record(self.adapter_id, self.done, started)
-        finally:
-            for row in rows:
-                row.cancel()
-            if self.slot:
-                self.server.cache.release(self.adapter_id)
 
 
 app = FastAPI()
@@ -336,7 +174,7 @@ class LoraServer:
             for adapter_id in set(wanted.merged) - set(self.merged):
                 folder = self.store.path(self.store.adapter_key(adapter_id))
                 try:
-                    merged = _merge_into_copy(self.lora.base_copy(), folder)
+                    merged = merge_into_copy(self.lora.base_copy(), folder)
                 except Exception as exc:  # one bad adapter must not take the replica down
                     log.error("cannot serve %s merged: %s", adapter_id, exc)
                     continue
@@ -373,15 +211,15 @@ class LoraServer:
     @app.post("/v1/adapters/{adapter_id}/load")
     async def load_adapter(self, adapter_id: str, pin: bool = False) -> Any:
         if not self.store.exists(self.store.adapter_key(adapter_id)):
-            return _error(
+            return error(
                 404, f"adapter {adapter_id!r} is not in the artifact store", "model_not_found"
             )
         try:
             await asyncio.to_thread(self.cache.acquire, adapter_id, pin=pin, hold=False)
         except AdapterError as exc:
-            return _unservable(adapter_id, exc)
+            return unservable(adapter_id, exc)
         except CacheFullError as exc:
-            return _error(503, str(exc), "adapter_cache_full")
+            return error(503, str(exc), "adapter_cache_full")
         return {"id": adapter_id, "loaded": True, "pinned": pin}
 
     @app.delete("/v1/adapters/{adapter_id}")
@@ -389,13 +227,13 @@ class LoraServer:
         try:
             unloaded = await asyncio.to_thread(self.cache.unload, adapter_id)
         except AdapterInUse as exc:
-            return _error(409, str(exc), "adapter_in_use")
+            return error(409, str(exc), "adapter_in_use")
         return {"id": adapter_id, "unloaded": unloaded}
 
     # -- OpenAI endpoints ----------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Any:
-        req = await _parse(ChatRequest, request)
+        req = await parse(ChatRequest, request)
         if isinstance(req, JSONResponse):
             return req
         messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
@@ -408,7 +246,7 @@ class LoraServer:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
-        req = await _parse(CompletionRequest, request)
+        req = await parse(CompletionRequest, request)
         if isinstance(req, JSONResponse):
             return req
         texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
@@ -416,14 +254,14 @@ class LoraServer:
         return await self._respond(req, prompts, req.max_tokens, 16, chat=False)
 
     def _refusal(
-        self, req: _GenerationRequest, prompts: list[list[int]], asked: int | None, chat: bool
+        self, req: GenerationRequest, prompts: list[list[int]], asked: int | None, chat: bool
     ) -> JSONResponse | None:
         """The 400 for a request this replica must not start (before any row is submitted,
         so nothing of it reaches the shared batch): too many rows, an empty prompt, or a
         prompt plus the asked completion over the model's context."""
         param = "messages" if chat else "prompt"
         if len(prompts) * req.n > MAX_ROWS_PER_REQUEST:
-            return _error(
+            return error(
                 400,
                 f"{len(prompts)} prompt(s) x n={req.n} is {len(prompts) * req.n} choices; at "
                 f"most {MAX_ROWS_PER_REQUEST} per request",
@@ -434,11 +272,11 @@ class LoraServer:
         for i, p in enumerate(prompts):
             where = "" if len(prompts) == 1 else f" {i}"
             if not p:
-                return _error(
+                return error(
                     400, f"prompt{where} is empty: give it some text", "empty_prompt", param=param
                 )
             if len(p) + (asked or 1) > context:
-                return _error(
+                return error(
                     400,
                     f"This model's maximum context length is {context} tokens. However, you "
                     f"requested {len(p) + (asked or 1)} tokens ({len(p)} in the {param}{where}, "
@@ -451,7 +289,7 @@ class LoraServer:
 
     async def _respond(
         self,
-        req: _GenerationRequest,
+        req: GenerationRequest,
         prompts: list[list[int]],
         asked: int | None,
         default: int,
@@ -470,7 +308,7 @@ class LoraServer:
         engine = merged or self.engine
         if adapter_id and merged is None:
             if not self.store.exists(self.store.adapter_key(adapter_id)):
-                return _error(
+                return error(
                     404, f"adapter {adapter_id!r} is not in the artifact store", "model_not_found"
                 )
             try:
@@ -478,12 +316,12 @@ class LoraServer:
                 # held until the answer ends: the cache will not evict it meanwhile
                 slot = await asyncio.to_thread(self.cache.acquire, adapter_id)
             except AdapterError as exc:
-                return _unservable(adapter_id, exc)
+                return unservable(adapter_id, exc)
             except CacheFullError as exc:
-                return _error(503, str(exc), "adapter_cache_full")
+                return error(503, str(exc), "adapter_cache_full")
         # one choice per prompt and sample: index = prompt * n + sample, as OpenAI numbers them
         rows = [(p, req.sampling(max_new, k)) for p in prompts for k in range(req.n)]
-        answer = _Answer(self, engine, slot, adapter_id, rows)
+        answer = Answer(self, engine, slot, adapter_id, rows)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "created": int(time.time()),
@@ -508,7 +346,7 @@ class LoraServer:
                 **head,
                 "object": "chat.completion" if chat else "text_completion",
                 "choices": choices,
-                "usage": _usage(done, prompts),
+                "usage": usage(done, prompts),
             }
         )
 
@@ -521,15 +359,15 @@ class LoraServer:
         self.m_latency.observe(time.perf_counter() - started, tags=tags)
 
     async def _stream(
-        self, req: _GenerationRequest, answer: "_Answer", head: dict[str, Any], *, chat: bool
+        self, req: GenerationRequest, answer: Answer, head: dict[str, Any], *, chat: bool
     ) -> AsyncIterator[str]:
         """Server-sent events: each choice's deltas as the batch makes them."""
-        usage = req.stream_options is not None and req.stream_options.include_usage
+        with_usage = req.stream_options is not None and req.stream_options.include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def event(choices: list[dict[str, Any]], **extra: Any) -> str:
             chunk = {**head, "object": obj, "choices": choices, **extra}
-            if usage and "usage" not in extra:
+            if with_usage and "usage" not in extra:
                 chunk["usage"] = None
             return f"data: {json.dumps(chunk)}\n\n"
 
@@ -551,11 +389,11 @@ class LoraServer:
                 if finished is not None:
                     yield event([choice(i, None, finished.finish_reason)])
         except Exception as exc:  # headers are sent: report in the stream, as OpenAI does
-            error = {"message": str(exc), "type": "server_error", "param": None, "code": None}
-            yield f"data: {json.dumps({'error': error})}\n\n"
+            failure = {"message": str(exc), "type": "server_error", "param": None, "code": None}
+            yield f"data: {json.dumps({'error': failure})}\n\n"
             return
-        if usage:
-            yield event([], usage=_usage(answer.done, [p for p, _ in answer.choices[:: req.n]]))
+        if with_usage:
+            yield event([], usage=usage(answer.done, [p for p, _ in answer.choices[:: req.n]]))
         yield "data: [DONE]\n\n"
 
     @app.get("/healthz")
