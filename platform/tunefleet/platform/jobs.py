@@ -62,21 +62,24 @@ class HyperparametersIn(BaseModel):
 
     @field_validator("n_epochs", "batch_size", "learning_rate_multiplier", mode="before")
     @classmethod
-    def _not_a_bool(cls, v: Any) -> Any:
-        if isinstance(v, bool):  # pydantic would read true as 1
-            raise ValueError("must be 'auto' or a number, not true or false")
-        return v
-
-    @field_validator("n_epochs", "batch_size", "learning_rate_multiplier")
-    @classmethod
     def _bounded(cls, v: Any, info: ValidationInfo) -> Any:
-        """The spec's bounds (``Hyperparameters``), checked here (after a number given as
-        a string was read) so that the refusal names the field as the request spelled
-        it."""
+        """The spec's bounds (``Hyperparameters``), checked here so that the refusal names
+        the field as the request spelled it; a number sent as a string ("0") is held to
+        them too, and a bool is not a number (pydantic would read true as 1)."""
+        if isinstance(v, bool):
+            raise ValueError("must be 'auto' or a number, not true or false")
         if v == "auto":
             return v
+        number = v
+        if isinstance(v, str):
+            try:
+                number = float(v)
+            except ValueError:
+                return v  # pydantic names the wrong type
+        if not isinstance(number, int | float):
+            return v
         low, high = _HYPERPARAMETER_BOUNDS[info.field_name or ""]
-        if not math.isfinite(v) or not low <= v <= high or v == 0:
+        if not math.isfinite(number) or not low <= number <= high or number == 0:
             span = f"above 0 and at most {high}" if low == 0 else f"from {low} to {high}"
             raise ValueError(f"must be 'auto' or a number {span}")
         return v
