@@ -435,10 +435,13 @@ def test_counting_a_large_file_holds_up_no_pass(settings: Settings) -> None:
     for it only briefly and dispatches the queue meanwhile."""
     twin = TwinBackend()
     ctl = Controller(settings, twin)  # type: ignore[arg-type]
-    ctl.ADMISSION_WAIT_S = 0.2
     url = settings.resolved_database_url
     first, second = _jobs(settings, 2, "initech")
-    ctl.tick()  # one CPU: the first runs, the second waits
+    deadline = time.monotonic() + 60  # the first count loads the tokenizer: let it finish
+    while twin.submitted != [f"{first}-1"]:
+        assert time.monotonic() < deadline, twin.submitted
+        ctl.tick()  # one CPU: the first runs, the second waits
+    ctl.ADMISSION_WAIT_S = 0.2
     twin.status[f"{first}-1"] = "FAILED"  # the first is requeued: the second can start
 
     release = threading.Event()
