@@ -183,7 +183,8 @@ def run_tunefleet(
     from tunefleet.platform.planner import PlanDevice
     from tunefleet.platform.settings import get_settings
     from tunefleet.platform.tenants import authenticate, create_key, create_tenant
-    from tunefleet.workers.train.driver import run
+    from tunefleet.workers.backend import RayBackend
+    from tunefleet.workers.controller import Controller
 
     work = Path(tempfile.mkdtemp(prefix="tf-bench-"))
     url = f"sqlite:///{work / 'db.sqlite'}"
@@ -232,7 +233,8 @@ def run_tunefleet(
         job_id = create_job(s, principal, request, registry, device=device).id
     ray.init(num_cpus=THREADS, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     try:
-        run(job_id)
+        settings = get_settings()
+        Controller(settings, RayBackend(settings)).run_in_process(job_id, f"{job_id}-1")
     finally:
         ray.shutdown()
     with session_scope(url) as s:

@@ -39,6 +39,14 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="tfray-")
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+    # Object storage (tests/s3.py's server) takes any credentials; set before any Ray
+    # starts, as a cluster's nodes have theirs in their environment (never from a run's
+    # runtime_env). No probing of a cloud metadata service for them.
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        del os.environ[name]
+    os.environ["AWS_ACCESS_KEY_ID"] = "tunefleet-tests"
+    os.environ["AWS_SECRET_ACCESS_KEY"] = secrets.token_hex(16)
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -73,6 +81,15 @@ def upload_chat(client: Any, key: str, name: str = "a.jsonl") -> dict[str, Any]:
     assert resp.status_code == 200, resp.text
     result: dict[str, Any] = resp.json()
     return result
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """An S3 server on 127.0.0.1 (moto's) for the session: its endpoint URL."""
+    from s3 import s3_server
+
+    with s3_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(scope="session")

@@ -95,9 +95,20 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:
         proc.wait()
 
 
+def _node_ports() -> list[str]:
+    """Every port a node opens, of its own (see ``ray_cluster``)."""
+    return [
+        *("--dashboard-agent-grpc-port", str(free_port())),
+        *("--runtime-env-agent-port", str(free_port())),
+        *("--node-manager-port", str(free_port())),
+        *("--object-manager-port", str(free_port())),
+    ]
+
+
 @contextlib.contextmanager
-def ray_cluster(num_cpus: int) -> Iterator[RayCluster]:
-    """Start a one-node cluster of ``num_cpus`` logical CPUs; stop its process group on exit.
+def ray_cluster(num_cpus: int, resources: str = "") -> Iterator[RayCluster]:
+    """Start a one-node cluster of ``num_cpus`` logical CPUs (and custom ``resources``, a
+    JSON object); stop its process group on exit.
 
     The auth mode and token come from the environment (tests/conftest.py sets a token of
     the session's own), so this process's Ray clients and the cluster agree."""
@@ -110,6 +121,7 @@ def ray_cluster(num_cpus: int) -> Iterator[RayCluster]:
             [
                 *(RAY, "start", "--head", "--block", "--disable-usage-stats"),
                 *("--num-cpus", str(num_cpus)),  # GPUs: what Ray detects
+                *(("--resources", resources) if resources else ()),
                 *("--node-ip-address", "127.0.0.1", "--port", str(port)),
                 *("--temp-dir", str(temp_dir)),
                 *("--include-dashboard", "true", "--dashboard-host", "127.0.0.1"),
@@ -117,11 +129,8 @@ def ray_cluster(num_cpus: int) -> Iterator[RayCluster]:
                 # every port of its own: a default one held by another Ray on this machine
                 # (52365, the agent's) leaves the Jobs API answering "no available agent"
                 *("--dashboard-agent-listen-port", str(agent)),
-                *("--dashboard-agent-grpc-port", str(free_port())),
                 *("--metrics-export-port", str(metrics)),
-                *("--runtime-env-agent-port", str(free_port())),
-                *("--node-manager-port", str(free_port())),
-                *("--object-manager-port", str(free_port())),
+                *_node_ports(),
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -139,3 +148,32 @@ def ray_cluster(num_cpus: int) -> Iterator[RayCluster]:
     finally:
         stop_group(proc.pid)
         proc.wait(10)
+
+
+@contextlib.contextmanager
+def ray_node(head: RayCluster, num_cpus: int, resources: str = "") -> Iterator[int]:
+    """Start another node of ``head``'s cluster on this machine (``ray start --address``),
+    in a process group of its own; yields its leader's pid (``stop_group`` kills the node
+    as a lost machine would be). Stopped on exit if still there."""
+    agent = free_port()
+    log = head.temp_dir / f"ray-node-{agent}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                *(RAY, "start", "--address", head.address, "--block"),
+                *("--num-cpus", str(num_cpus)),
+                *(("--resources", resources) if resources else ()),
+                *("--node-ip-address", "127.0.0.1"),
+                *("--dashboard-agent-listen-port", str(agent)),
+                *("--metrics-export-port", str(free_port())),
+                *_node_ports(),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        _wait_listening([agent], proc, log)
+        yield proc.pid
+    finally:
+        stop_group(proc.pid)

@@ -20,6 +20,9 @@ import pytest
 
 from conftest import auth
 from raycluster import free_port, stop_process
+from s3 import new_bucket
+from tunefleet.platform.artifacts import open_store
+from tunefleet.platform.serving_contract import ADAPTER_HEADER, SECRET_FILE, SECRET_HEADER
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +44,24 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def stack(
-    tmp_path_factory: pytest.TempPathFactory, tiny_registry: Path, ray_cluster: Any
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_registry: Path,
+    ray_cluster: Any,
+    s3_endpoint: str,
 ) -> Iterator[dict[str, Any]]:
-    """`tunefleet up` as a user runs it, on the session's Ray cluster; its bootstrap admin
+    """`tunefleet up` as a user runs it, on the session's Ray cluster, with its artifacts
+    (uploads, checkpoints, adapters) in a bucket of a real S3 server; its bootstrap admin
     key is the one it prints at first start."""
     data = tmp_path_factory.mktemp("e2e")
+    bucket = new_bucket(s3_endpoint)
     env = {
         **os.environ,
         **ray_cluster.env(),
         "TUNEFLEET_DATA_DIR": str(data),
         "TUNEFLEET_MODEL_REGISTRY": str(tiny_registry),
+        "TUNEFLEET_ARTIFACT_ROOT": bucket,
+        "TUNEFLEET_S3_ENDPOINT_URL": s3_endpoint,
+        "TUNEFLEET_ARTIFACT_CACHE": str(data / "test-cache"),
         "TUNEFLEET_API_PORT": str(free_port()),
         "TUNEFLEET_SERVE_PORT": str(free_port()),
         "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
@@ -91,6 +102,8 @@ def stack(
             "keys": keys,
             "env": env,
             "data": data,
+            # the test's own view of the bucket (a cache of its own)
+            "store": open_store(bucket, endpoint_url=s3_endpoint, cache_dir=data / "reader"),
             "log": log_path,
             "dashboard": ray_cluster.dashboard,
             "metrics": f"http://127.0.0.1:{ray_cluster.metrics_port}/metrics",
@@ -196,7 +209,11 @@ def test_upload_train_serve(stack: dict[str, Any], acme_job: dict[str, Any]) -> 
     messages = [e["message"] for e in reversed(events)]
     assert messages[0].startswith("Created fine-tuning job")
     assert any(m.startswith("Validated training file") for m in messages)
-    assert any(m.startswith("Dispatched as Ray job") for m in messages)
+    # the workers ran where the scheduler placed them (Ray enforces it) and say so
+    placed = next(e for e in events if e["message"].startswith("Dispatched as Ray job"))
+    started = next(e for e in events if e["message"].startswith("Training "))
+    assert started["data"]["nodes"] == placed["data"]["nodes"], (placed, started)
+    assert placed["data"]["nodes"][0] in started["message"]
     assert any(
         "(2 examples x 2 micro-batch(es) per worker per step, gradient checkpointing)" in m
         for m in messages
@@ -210,8 +227,11 @@ def test_upload_train_serve(stack: dict[str, Any], acme_job: dict[str, Any]) -> 
     saved = {int(m.split()[-1]) for m in messages if m.startswith("Checkpoint saved at step")}
     assert saved == {5, 15} | set(range(2, 21, 2))
     assert [c["step_number"] for c in checkpoints] == [20, 18, 16]
+    kept = stack["store"].checkpoints_key(job["id"])
+    assert all(stack["store"].exists(f"{kept}/step-{n:08d}") for n in (20, 18, 16))
+    assert not stack["store"].exists(f"{kept}/step-00000014")  # in the bucket, Ray's three
 
-    adapter = stack["data"] / "artifacts" / "adapters" / job["id"]
+    adapter = stack["store"].local_copy(stack["store"].adapter_key(job["id"]))
     assert sorted(p.name for p in adapter.iterdir()) == [
         "README.md",
         "adapter_config.json",
@@ -294,6 +314,49 @@ def test_upload_train_serve(stack: dict[str, Any], acme_job: dict[str, Any]) -> 
     _merged_then_multiplexed(client, job, chat, stack)
 
 
+def test_serve_answers_the_api_alone_and_no_run_holds_database_credentials(
+    stack: dict[str, Any], acme_job: dict[str, Any]
+) -> None:
+    """Whoever reaches Serve's port without the API's secret is refused (naming a tenant's
+    adapter by its id included), a malformed adapter id loads nothing; Ray's Jobs API
+    answers only with the cluster's token, and no run carries the database's URL in what
+    it shows (a run's runtime_env, entrypoint and metadata)."""
+    base = f"{stack['serve']}/models/{TINY}/v1"
+    chat = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+    bare = httpx.post(
+        f"{base}/chat/completions",
+        json=chat,
+        headers={ADAPTER_HEADER: acme_job["job"]["id"]},
+        timeout=30,
+    )
+    assert bare.status_code == 401 and bare.json()["error"]["code"] == "unauthorized", bare.text
+    assert httpx.get(f"{base}/adapters", timeout=30).status_code == 401
+    assert (
+        httpx.get(f"{base}/adapters", headers={SECRET_HEADER: "guess"}, timeout=30).status_code
+        == 403
+    )
+    odd = httpx.post(
+        f"{base}/chat/completions",
+        json=chat,
+        headers={**serve_auth(stack), ADAPTER_HEADER: "../ftjob-x"},
+        timeout=30,
+    )
+    assert odd.status_code == 400 and odd.json()["error"]["code"] == "invalid_adapter", odd.text
+
+    assert httpx.get(f"{stack['dashboard']}/api/jobs/", timeout=30).status_code == 401
+    from ray.job_submission import JobSubmissionClient
+
+    runs = [
+        j
+        for j in JobSubmissionClient(stack["dashboard"]).list_jobs()
+        if (j.metadata or {}).get("tunefleet_job_id")
+    ]
+    assert any(j.submission_id == f"{acme_job['job']['id']}-1" for j in runs)
+    for j in runs:
+        shown = json.dumps([j.runtime_env, j.metadata, j.entrypoint])
+        assert "tunefleet.db" not in shown and "DATABASE" not in shown, shown
+
+
 def _share_then_unshare(client: httpx.Client, model: str, chat: Any, stack: dict[str, Any]) -> None:
     """acme shares its adapter with globex: globex lists it (owned by acme) and calls it,
     but cannot manage its shares; unshared, it is a 404 again."""
@@ -322,7 +385,7 @@ def _merged_then_multiplexed(
     replica = f"{stack['serve']}/models/{TINY}/v1/adapters"
 
     def replica_state() -> dict[str, Any]:
-        state: dict[str, Any] = httpx.get(replica, timeout=30).json()
+        state: dict[str, Any] = httpx.get(replica, headers=serve_auth(stack), timeout=30).json()
         return state
 
     assert client.patch(path, json={"serving_mode": "merged"}).status_code == 403  # not admin
@@ -339,6 +402,11 @@ def _merged_then_multiplexed(
         answer = chat(job["fine_tuned_model"])
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["content"] == before
+
+
+def serve_auth(stack: dict[str, Any]) -> dict[str, str]:
+    """What the API sends Serve: the secret `tunefleet up` made in its data folder."""
+    return {SECRET_HEADER: (stack["data"] / SECRET_FILE).read_text().strip()}
 
 
 def _wait(client: httpx.Client, job_id: str, pred: Any, what: str, timeout: float = 300) -> Any:
@@ -428,16 +496,23 @@ def test_a_bad_request_to_serving_fails_alone(
         err = resp.json()["error"]
         assert (err["param"], err["code"]) == (param, code), err
     assert "maximum context length is 512 tokens" in answers[3].json()["error"]["message"]
-    broken = stack["data"] / "artifacts" / "adapters" / "ftjob-broken"
-    broken.mkdir(parents=True)
+    broken = stack["data"] / "ftjob-broken"
+    broken.mkdir()
     (broken / "weights.bin").write_bytes(b"not an adapter")
+    stack["store"].put_dir(stack["store"].adapter_key("ftjob-broken"), broken)
     refused = httpx.post(
-        f"{stack['serve']}/models/{TINY}/v1/adapters/ftjob-broken/load", timeout=30
+        f"{stack['serve']}/models/{TINY}/v1/adapters/ftjob-broken/load",
+        headers=serve_auth(stack),
+        timeout=30,
     )
     assert refused.status_code == 400, refused.text  # was a 422 the SDKs do not raise as such
     assert refused.json()["error"]["code"] == "adapter_unservable"
     assert "serving_mode 'merged'" in refused.json()["error"]["message"]
-    unloaded = httpx.delete(f"{stack['serve']}/models/{TINY}/v1/adapters/{job['id']}", timeout=30)
+    unloaded = httpx.delete(
+        f"{stack['serve']}/models/{TINY}/v1/adapters/{job['id']}",
+        headers=serve_auth(stack),
+        timeout=30,
+    )
     assert unloaded.status_code == 200, unloaded.text  # held by nothing
     again = client.post("/v1/chat/completions", json=good)  # and loads again on demand
     assert again.status_code == 200
@@ -553,4 +628,4 @@ def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_can
     job, events = _wait(client, job["id"], lambda j, ev: True, "events")
     assert job["status"] == "cancelled"
     assert 1 <= len(_steps(events)) < STEPS, "stopped before its end"
-    assert not (stack["data"] / "artifacts" / "adapters" / job["id"]).exists()
+    assert not stack["store"].exists(stack["store"].adapter_key(job["id"]))

@@ -1,22 +1,18 @@
-"""A run's writes to its job through a database outage (``Reporter``), on PostgreSQL: the
-run goes on, and every step is in the job's events, in order, once the database is back."""
+"""What a run reports through its channel, written on its job by the controller
+(``progress.apply``): each record once, in order, whatever is taken again; and what the
+run is told to do (``progress.wanted_stop``)."""
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any
-
 import pytest
 from sqlalchemy import select
-from sqlalchemy.exc import OperationalError
 
 from conftest import add_chat_file
-from pg import database_away
 from tunefleet.platform.artifacts import ArtifactStore
-from tunefleet.platform.db import Job, JobEvent, session_scope
+from tunefleet.platform.db import Checkpoint, Job, JobEvent, session_scope
 from tunefleet.platform.jobs import JobCreateRequest, create_job
 from tunefleet.platform.models import ModelRegistry
-from tunefleet.platform.progress import Reporter, record_metrics
+from tunefleet.platform.progress import apply, wanted_stop
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
 
@@ -32,38 +28,33 @@ def _job(settings: Settings) -> str:
         return create_job(s, principal, req, registry).id
 
 
-def test_writes_wait_through_an_outage_and_go_in_in_order(
-    settings: Settings, db_kind: str, request: Any
-) -> None:
-    if db_kind != "postgres":
-        pytest.skip("an outage is staged on PostgreSQL (connections cut and refused)")
+def _step(seq: int) -> dict[str, object]:
+    return {
+        "seq": seq,
+        "kind": "metrics",
+        "step": seq,
+        "total_steps": 4,
+        "metrics": {"train_loss": 1.0 / seq},
+        "trained_tokens": 100 * seq,
+        "eta_s": None,
+    }
+
+
+def test_each_record_is_written_once_in_order(settings: Settings) -> None:
     url = settings.resolved_database_url
     job_id = _job(settings)
-    reporter = Reporter(url)
-
-    def step(n: int) -> Any:
-        return partial(
-            record_metrics,
-            job_id=job_id,
-            step=n,
-            total_steps=4,
-            metrics={"train_loss": 1.0 / n},
-            trained_tokens=100 * n,
-            eta_s=None,
-        )
-
-    reporter.write(step(1))
-    with database_away(request.getfixturevalue("pg_server"), url):
-        reporter.write(step(2))  # no error: the run goes on
-        reporter.write(step(3))
-        assert len(reporter.pending) == 2
-        status = reporter.read(lambda s: s.scalar(select(Job.status).where(Job.id == job_id)), "?")
-        assert status == "?"  # nobody can have asked the run to stop
-        with pytest.raises(OperationalError):
-            reporter.flush(wait_s=0.5)  # the end of a run waits, then fails the run
-        assert len(reporter.pending) == 2  # and loses nothing
-    reporter.write(step(4))
-    assert reporter.pending == []
+    first = [_step(1), _step(2)]
+    checkpoint = {"seq": 3, "kind": "checkpoint", "step": 2, "path": "c/step-2", "metrics": {}}
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        assert apply(s, job, f"{job_id}-1", first) == 2
+    with session_scope(url) as s:  # a fail-over: taken again before they were acknowledged
+        job = s.get(Job, job_id)
+        assert job is not None
+        assert apply(s, job, f"{job_id}-1", [*first, checkpoint, _step(4)]) == 4
+        # a record kind the platform does not know is skipped, not written
+        assert apply(s, job, f"{job_id}-1", [{"seq": 5, "kind": "status", "to": "x"}]) == 5
     with session_scope(url) as s:
         steps = list(
             s.scalars(
@@ -73,5 +64,58 @@ def test_writes_wait_through_an_outage_and_go_in_in_order(
             )
         )
         job = s.get(Job, job_id)
-        assert job is not None and job.trained_tokens == 400
-    assert steps == [1, 2, 3, 4]
+        assert job is not None and job.trained_tokens == 400 and job.status != "x"
+        assert job.reported == {"run": f"{job_id}-1", "channel": None, "seq": 5}
+        saved = list(s.scalars(select(Checkpoint.path).where(Checkpoint.job_id == job_id)))
+    assert steps == [1, 2, 4]
+    assert saved == ["c/step-2"]
+    with session_scope(url) as s:  # the next run, or a new channel of it, numbers from 1
+        job = s.get(Job, job_id)
+        assert job is not None
+        apply(s, job, f"{job_id}-2", [_step(1)])
+        assert job.reported == {"run": f"{job_id}-2", "channel": None, "seq": 1}
+        apply(s, job, f"{job_id}-2", [{**_step(1), "channel": "again"}])
+        assert job.reported == {"run": f"{job_id}-2", "channel": "again", "seq": 1}
+    with session_scope(url) as s:
+        metrics = s.scalars(
+            select(JobEvent.data["step"].as_integer()).where(
+                JobEvent.job_id == job_id, JobEvent.type == "metrics"
+            )
+        )
+        assert list(metrics) == [1, 2, 4, 1, 1]
+
+
+def test_a_record_that_cannot_be_written_is_skipped_alone(settings: Settings) -> None:
+    url = settings.resolved_database_url
+    job_id = _job(settings)
+    broken = {"seq": 2, "kind": "metrics", "step": 2}  # no total_steps, metrics, ...
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        assert apply(s, job, "r-1", [_step(1), broken, _step(3)]) == 3
+    with session_scope(url) as s:
+        events = list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id)))
+        steps = [e.data["step"] for e in events if e.type == "metrics"]
+        warned = [e.message for e in events if e.level == "warning"]
+    assert steps == [1, 3]
+    assert len(warned) == 1 and warned[0].startswith("A report of run r-1 was skipped")
+
+
+@pytest.mark.parametrize(
+    ("status", "current", "wanted"),
+    [
+        ("running", "j-1", None),
+        ("running", None, None),  # a run started by hand (tests, benchmarks)
+        ("paused", "j-1", "paused"),
+        ("queued", "j-1", "paused"),  # resumed before the run saw the pause
+        ("running", "j-2", "paused"),  # superseded by another run
+        ("cancelled", "j-1", "cancelled"),
+    ],
+)
+def test_a_run_is_told_to_stop_from_its_jobs_row(
+    status: str, current: str, wanted: str | None
+) -> None:
+    stop = wanted_stop(status, current, "j-1")
+    assert (stop and stop["stop"]) == wanted
+    if stop:
+        assert stop["status"] == status and stop["current"] == current

@@ -24,6 +24,7 @@ from tunefleet.platform.status import JobStatus, transition
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
 from tunefleet.workers.backend import NOT_FOUND, SUCCEEDED, RunInfo
 from tunefleet.workers.controller import Controller
+from tunefleet.workers.run_channel import RunChannel
 
 
 class TwinBackend:
@@ -36,6 +37,8 @@ class TwinBackend:
         self.on_status: Any = None
         self.deployed: list[str] = []
         self.refuse_submits = 0  # the next n submits fail as Ray's Jobs API can
+        self.channels: dict[str, RunChannel] = {}  # run id -> its channel, in-process
+        self.pushed: list[tuple[str, dict[str, list[str]]]] = []
 
     def submit_run(self, sid: str, job_id: str, env: dict[str, str]) -> None:
         if self.refuse_submits:
@@ -61,6 +64,29 @@ class TwinBackend:
     def deploy_model_server(self, base_model: str, model_path: str) -> str:
         self.deployed.append(base_model)
         return f"/models/{base_model}"
+
+    def push_serving_config(self, base_model: str, config: dict[str, list[str]]) -> list[Any]:
+        self.pushed.append((base_model, config))
+        return [config]
+
+    def open_channel(self, sid: str, inputs: dict[str, Any]) -> None:
+        self.channels.setdefault(sid, RunChannel(inputs))
+
+    def open_channels(self) -> list[str]:
+        return list(self.channels)
+
+    def take(self, sid: str) -> list[dict[str, Any]] | None:
+        channel = self.channels.get(sid)
+        return None if channel is None else channel.take()
+
+    def ack(self, sid: str, upto: int) -> None:
+        self.channels[sid].ack(upto)
+
+    def ask_stop(self, sid: str, stop: dict[str, Any] | None) -> None:
+        self.channels[sid].ask_stop(stop)
+
+    def close_channel(self, sid: str) -> None:
+        self.channels.pop(sid, None)
 
 
 def _job(settings: Settings, **request: Any) -> str:
@@ -107,6 +133,38 @@ def test_admit_dispatch_and_a_cancel_racing_success(settings: Settings) -> None:
         job = s.get(Job, job_id)
         assert job is not None and job.status == "cancelled"
         assert list(s.scalars(select(Adapter))) == []
+
+
+def test_runs_report_through_their_channel_and_learn_to_stop_from_it(
+    settings: Settings,
+) -> None:
+    """A run's records reach its job through the controller (once each, even when a
+    fail-over takes them again), the run learns of a pause from its channel, and the
+    channel closes once the run has ended and said everything."""
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    job_id = _job(settings)
+    url = settings.resolved_database_url
+    ctl.tick()
+    sid = f"{job_id}-1"
+    channel = twin.channels[sid]
+    assert channel.inputs()["spec"]["job_id"] == job_id  # the run reads no database
+    assert channel.post([{"kind": "message", "message": "Training 4 steps"}]) is None
+    twin.ack = lambda sid, upto: None  # type: ignore[method-assign]  # a fail-over: unacked
+    ctl.tick()
+    ctl.tick()
+    del twin.ack  # back to the class's
+    with session_scope(url) as s:
+        transition(s, job_id, JobStatus.RUNNING, JobStatus.PAUSED, "Paused by the user")
+    ctl.tick()
+    stop = channel.post([{"kind": "message", "message": "Paused at step 2"}])
+    assert stop == {"stop": "paused", "status": "paused", "current": sid}
+    twin.status[sid] = "STOPPED"  # the run checkpointed and left
+    ctl.tick()
+    assert sid not in twin.channels
+    with session_scope(url) as s:
+        events = [e.message for e in list_events(s, job_id, limit=100)[0]]
+    assert events.count("Training 4 steps") == 1 and "Paused at step 2" in events
 
 
 def test_a_lost_submission_is_submitted_again_under_the_same_id(settings: Settings) -> None:

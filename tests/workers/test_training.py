@@ -33,6 +33,8 @@ from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.planner import PlanDevice
 from tunefleet.platform.settings import get_settings
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
+from tunefleet.workers.backend import RayBackend
+from tunefleet.workers.controller import Controller
 from tunefleet.workers.train.metrics import native_cpu_dtype
 
 pytestmark = pytest.mark.slow
@@ -84,8 +86,16 @@ def ray_env(tmp_path_factory: pytest.TempPathFactory, ray_cluster: Any) -> Itera
         tenant = create_tenant(s, "acme")
         principal = authenticate(s, f"Bearer {create_key(s, tenant.id)[1]}")
         file_id = add_chat_file(s, ArtifactStore(data / "artifacts"), tenant.id, "f-1", 8)
+    # the controller's side of each run's channel (runs never touch the database)
+    controller = Controller(get_settings(), RayBackend(get_settings()))
     try:
-        yield {"url": url, "data": data, "principal": principal, "file": file_id}
+        yield {
+            "url": url,
+            "data": data,
+            "principal": principal,
+            "file": file_id,
+            "controller": controller,
+        }
     finally:
         ray.shutdown()
         mp.undo()
@@ -118,18 +128,21 @@ def _events(env: dict[str, Any], job_id: str) -> list[JobEvent]:
         )
 
 
+def run(env: dict[str, Any], job_id: str, run_id: str | None = None) -> None:
+    env["controller"].run_in_process(job_id, run_id or f"{job_id}-1")
+
+
 def _run_side_by_side(
-    job_ids: list[str], run_ids: dict[str, str] | None = None
+    env: dict[str, Any], job_ids: list[str], run_ids: dict[str, str] | None = None
 ) -> dict[str, BaseException | None]:
     """Run jobs through the real driver side by side, each as its own Ray Train run; returns
     each job's error (None: it ran). A run spends most of its time starting processes and
     waiting on Ray, so four at once on the shared cluster's 4 CPUs take far less than four
     in a row, and each run computes exactly what it would alone."""
-    from tunefleet.workers.train.driver import run
 
     def one(job_id: str) -> BaseException | None:
         try:
-            run(job_id, (run_ids or {}).get(job_id))
+            run(env, job_id, (run_ids or {}).get(job_id))
         except BaseException as exc:
             return exc
         return None
@@ -168,7 +181,7 @@ def runs(ray_env: dict[str, Any]) -> dict[str, tuple[str, BaseException | None]]
         assert job is not None
         job.status, job.ray_submission_id = "running", f"{job.id}-2"
     errors = _run_side_by_side(
-        list(jobs.values()), run_ids={jobs["superseded"]: f"{jobs['superseded']}-1"}
+        ray_env, list(jobs.values()), run_ids={jobs["superseded"]: f"{jobs['superseded']}-1"}
     )
     return {name: (job_id, errors[job_id]) for name, job_id in jobs.items()}
 
@@ -282,16 +295,14 @@ def test_killed_worker_resumes_from_its_checkpoint_with_the_same_losses(
     workers, which load the newest checkpoint (FSDP: full weights before sharding, the
     optimizer into the shards, each rank its own dropout state) and end with exactly the
     losses of the run that was never interrupted."""
-    from tunefleet.workers.train.driver import run
-
     # 2 steps per epoch (8 examples, batch 4): checkpoints at every epoch end, i.e. every
     # second step
     options = {"method": "lora", "lora": {"dropout": 0.1}, **distribution}
     straight = _job(ray_env, 12, 5, options)  # 24 steps, never interrupted, alongside
     job_id = _job(ray_env, 12, 5, options)
-    uninterrupted = threading.Thread(target=run, args=(straight,))
+    uninterrupted = threading.Thread(target=run, args=(ray_env, straight))
     uninterrupted.start()
-    thread = threading.Thread(target=run, args=(job_id,))
+    thread = threading.Thread(target=run, args=(ray_env, job_id))
     thread.start()
     deadline = time.monotonic() + 120
     killed = None
@@ -497,11 +508,9 @@ GPU_CASES = _gpu_cases()
 def test_a_gpu_worker_trains(ray_env: dict[str, Any], case: str) -> None:
     """One GPU worker: the loss falls, MFU is against the GPU's data-sheet peak (or none
     for a GPU not in the table), peak memory is the GPU's allocator's."""
-    from tunefleet.workers.train.driver import run
-
     options = {**GPU_CASES[case], "resources": {"num_workers": 1, "gpus_per_worker": 1}}
     job_id = _job(ray_env, 4, 20, options)
-    run(job_id)
+    run(ray_env, job_id)
     events = _events(ray_env, job_id)
     start = next(e for e in events if e.message.startswith("Training "))
     assert "sheet" in start.data["peak_flops_source"] or "not in" in start.data["peak_flops_source"]

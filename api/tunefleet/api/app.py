@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
 
 from tunefleet.api.body_limits import BodyLimitMiddleware
 from tunefleet.api.errors import install_error_handlers
-from tunefleet.api.openapi import Health, ok, openapi_document
+from tunefleet.api.openapi import Health, Readiness, ok, openapi_document
 from tunefleet.api.routes import admin, files, inference, jobs, models, plans
+from tunefleet.platform.db import session_scope
 from tunefleet.platform.settings import Settings, get_settings
 
 
@@ -28,7 +32,32 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/healthz", tags=["ops"], responses=ok(Health))
     def healthz() -> dict[str, Any]:
+        """Alive (a liveness probe)."""
         return {"status": "ok"}
+
+    not_ready: dict[int | str, dict[str, Any]] = {
+        503: {"model": Readiness, "description": "Not ready: what is not."}
+    }
+
+    @app.get("/readyz", tags=["ops"], responses={**ok(Readiness), **not_ready})
+    def readyz() -> JSONResponse:
+        """Ready to serve (a readiness probe): the database answers and Ray's dashboard
+        (its Jobs API, through which runs start) is reachable; 503 naming what is not."""
+        st: Settings = app.state.settings
+        checks = {"database": "ok", "ray": "ok"}
+        try:
+            with session_scope(st.resolved_database_url) as s:
+                s.execute(text("SELECT 1"))
+        except Exception as exc:
+            checks["database"] = f"unreachable: {type(exc).__name__}"
+        dashboard = st.ray_dashboard_url or f"http://127.0.0.1:{st.ray_dashboard_port}"
+        try:  # any answer (401 without Ray's token included) means it is up
+            httpx.get(f"{dashboard}/api/version", timeout=2)
+        except httpx.HTTPError as exc:
+            checks["ray"] = f"unreachable at {dashboard}: {type(exc).__name__}"
+        ready = all(v == "ok" for v in checks.values())
+        body = {"status": "ready" if ready else "not ready", **checks}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     return app

@@ -11,7 +11,7 @@ from fastapi.security import HTTPBearer
 from sqlalchemy.orm import Session
 from starlette.requests import HTTPConnection
 
-from tunefleet.platform.artifacts import ArtifactStore
+from tunefleet.platform.artifacts import Store, artifact_store
 from tunefleet.platform.db import session_factory, single_statement_sessions
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.settings import Settings
@@ -92,8 +92,12 @@ async def get_principal(request: Request, _: Annotated[None, Security(_bearer)])
     return principal_for(_settings(request), request.headers.get("authorization"))
 
 
-async def get_store(request: Request) -> ArtifactStore:
-    return ArtifactStore(_settings(request).resolved_artifact_root)
+async def get_store(request: Request) -> Store:
+    """The app's artifact store, made once (an object-storage client is worth keeping)."""
+    store: Store | None = getattr(request.app.state, "artifact_store", None)
+    if store is None:
+        store = request.app.state.artifact_store = artifact_store(_settings(request))
+    return store
 
 
 async def get_registry(request: Request) -> ModelRegistry:
@@ -104,5 +108,5 @@ SessionDep = Annotated[Session, Depends(get_session)]
 StatementSessionDep = Annotated[Session, Depends(get_statement_session)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
-StoreDep = Annotated[ArtifactStore, Depends(get_store)]
+StoreDep = Annotated[Store, Depends(get_store)]
 RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]

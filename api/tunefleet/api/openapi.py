@@ -272,6 +272,12 @@ class Health(_Open):
     status: Literal["ok"]
 
 
+class Readiness(_Open):
+    status: Literal["ready", "not ready"]
+    database: str  # "ok", or why not
+    ray: str
+
+
 def openapi_document(app: FastAPI) -> dict[str, Any]:
     """The app's OpenAPI document, built once: every operation with the errors it shares
     with others (``_shared_errors``), and without FastAPI's 422 answers (TuneFleet

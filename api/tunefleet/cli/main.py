@@ -6,7 +6,7 @@ import json
 import logging
 import signal
 import threading
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -52,10 +52,36 @@ def up(
 
 
 @app.command()
-def controller() -> None:
+def api(
+    workers: Annotated[int, typer.Option(min=1, help="API worker processes.")] = 1,
+) -> None:
+    """Run only the REST API on TUNEFLEET_API_HOST:TUNEFLEET_API_PORT, against
+    TUNEFLEET_DATABASE_URL, the artifact store and the Serve proxy at
+    TUNEFLEET_SERVE_HOST:PORT (with TUNEFLEET_SERVE_SECRET). Stateless: run as many as
+    the load needs. Probes: /healthz (alive), /readyz (database and Ray reachable)."""
+    import uvicorn
+
+    settings = get_settings()
+    uvicorn.run(
+        "tunefleet.api.app:create_app",
+        factory=True,
+        host=settings.api_host,
+        port=settings.api_port,
+        workers=workers,
+        log_level="warning",
+    )
+
+
+@app.command()
+def controller(
+    health_port: Annotated[
+        int | None, typer.Option(help="Serve GET /healthz on this port (0.0.0.0).")
+    ] = None,
+) -> None:
     """Run only the controller against TUNEFLEET_DATABASE_URL and the Ray cluster at
     TUNEFLEET_RAY_ADDRESS (a local Ray when unset). Start several for high availability:
-    one leads through the database lease, the others stand by."""
+    one leads through the database lease, the others stand by. /healthz answers 200 while
+    its loop goes round, with whether it leads and its term."""
     from tunefleet.platform.db.migrate import upgrade as migrate
     from tunefleet.platform.lease import Lease
     from tunefleet.workers.backend import RayBackend
@@ -70,8 +96,32 @@ def controller() -> None:
     backend = RayBackend(settings)
     backend.connect()
     lease = Lease(settings.resolved_database_url, ttl_s=settings.controller_lease_ttl_s)
+    ctl = Controller(settings, backend, lease=lease)
+    if health_port is not None:
+        serve_health(health_port, ctl.health)
     print(f"controller {lease.holder} started", flush=True)
-    Controller(settings, backend, lease=lease).run_forever(done)
+    ctl.run_forever(done)
+
+
+def serve_health(port: int, health: Any) -> None:
+    """GET /healthz on ``port``, in a thread: 200 or 503 with ``health()``'s details."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            healthy, details = health() if self.path == "/healthz" else (False, {})
+            status = 200 if healthy else (503 if self.path == "/healthz" else 404)
+            body = json.dumps({"status": "ok" if healthy else "unhealthy", **details})
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *_: Any) -> None:  # probes every few seconds: not logged
+            pass
+
+    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True, name="health").start()
 
 
 @app.command()

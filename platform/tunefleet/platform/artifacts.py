@@ -1,21 +1,36 @@
-"""The artifact store: uploads, checkpoints and adapters under one root folder.
+"""The artifact store: uploads, checkpoints, adapters and merged models, under keys.
 
-Keys are relative POSIX paths; the root is a local folder, a mounted PVC in Kubernetes.
-Writes go to a temporary name and are renamed into place, so a crash never leaves a
-half-written artifact under its final key.
+Keys are relative POSIX paths. Two stores answer the same calls (``open_store`` picks one
+from ``TUNEFLEET_ARTIFACT_ROOT``):
+
+- ``ArtifactStore``, a local folder (the embedded default; a ReadWriteMany volume in
+  Kubernetes). Writes go to a temporary name and are renamed into place, so a crash never
+  leaves a half-written artifact under its final key.
+- ``S3Store``, S3-compatible object storage (``s3://bucket/prefix``; AWS, MinIO, GCS's
+  interoperability endpoint) through pyarrow's filesystem layer, the one Ray Train writes
+  checkpoints with. Writes go to a temporary key and are copied into place server-side.
+  A process that needs an artifact as files (a run's training file, an adapter a replica
+  loads) gets a copy in its node's cache (``local_copy``): uploads, adapters and merged
+  models are written once under their keys, so a copy does not go stale. Objects up to
+  5 GB (S3's limit of one server-side copy).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import errno
+import hashlib
 import os
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
 
 from tunefleet.platform.errors import InvalidRequest, PayloadTooLarge
+from tunefleet.platform.settings import Settings
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -38,12 +53,9 @@ def _exchange(a: Path, b: Path) -> bool:
 METHOD_FILE = "tunefleet_method.json"
 
 
-class ArtifactStore:
-    def __init__(self, root: Path):
-        self.root = root
-        self.root.mkdir(parents=True, exist_ok=True)
+class Keys:
+    """Keys by kind, so every process agrees on where things live."""
 
-    # Keys by kind, so every process agrees on where things live.
     @staticmethod
     def file_key(file_id: str) -> str:
         return f"files/{file_id}.jsonl"
@@ -56,9 +68,24 @@ class ArtifactStore:
     def merged_key(job_id: str) -> str:
         return f"merged/{job_id}"
 
-    @staticmethod
-    def checkpoints_key(job_id: str) -> str:
-        return f"checkpoints/{job_id}"
+    CHECKPOINTS = "checkpoints"  # Ray Train's storage_path: {job}/step-N below it
+
+    @classmethod
+    def checkpoints_key(cls, job_id: str) -> str:
+        return f"{cls.CHECKPOINTS}/{job_id}"
+
+
+class ArtifactStore(Keys):
+    """The local folder ``root``."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def location(self) -> str:
+        """What ``TUNEFLEET_ARTIFACT_ROOT`` names this store by."""
+        return str(self.root)
 
     def path(self, key: str) -> Path:
         resolved = (self.root / key).resolve()
@@ -107,7 +134,7 @@ class ArtifactStore:
             while chunk := fh.read(chunk_size):
                 yield chunk
 
-    def put_dir(self, key: str, source: Path) -> Path:
+    def put_dir(self, key: str, source: Path) -> None:
         """Copy a folder in under ``key``, replacing what was there atomically: a reader
         sees the old folder or the new one, never a mix or nothing. A failed copy (a full
         disk) leaves the old folder as it was and no temporary folder behind."""
@@ -126,7 +153,6 @@ class ArtifactStore:
                 shutil.rmtree(aside, ignore_errors=True)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return final
 
     def delete(self, key: str) -> None:
         target = self.path(key)
@@ -134,3 +160,202 @@ class ArtifactStore:
             shutil.rmtree(target)
         else:
             target.unlink(missing_ok=True)
+
+    def local_copy(self, key: str) -> Path:
+        """The artifact as a local file or folder: here, itself."""
+        return self.path(key)
+
+    def ray_storage(self, key: str) -> tuple[str, Any]:
+        """``(storage_path, storage_filesystem)`` for Ray Train's ``RunConfig``."""
+        return str(self.path(key)), None
+
+
+class S3Store(Keys):
+    """S3-compatible object storage under ``s3://bucket/prefix``. Credentials come from
+    the process's environment as every AWS client reads them (``AWS_ACCESS_KEY_ID`` and
+    ``AWS_SECRET_ACCESS_KEY``, a web identity, an instance profile), never from TuneFleet's
+    settings, so nothing passes them to Ray."""
+
+    def __init__(self, url: str, *, endpoint_url: str, region: str, cache_dir: Path):
+        from pyarrow import fs
+
+        parsed = urlparse(url)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ValueError(f"artifact root {url!r} is not s3://bucket[/prefix]")
+        self.url = url.rstrip("/")
+        self.base = f"{parsed.netloc}/{parsed.path.strip('/')}".rstrip("/")
+        options: dict[str, Any] = {"region": region or "us-east-1"}
+        if endpoint_url:
+            endpoint = urlparse(endpoint_url)
+            options.update(endpoint_override=endpoint.netloc, scheme=endpoint.scheme or "https")
+        self.fs = fs.S3FileSystem(**options)
+        # this node's copies (``local_copy``), apart from other stores' copies, readable by
+        # this user alone
+        _private_dir(cache_dir)
+        self.cache = ArtifactStore(cache_dir / hashlib.sha256(self.url.encode()).hexdigest()[:16])
+
+    @property
+    def location(self) -> str:
+        return self.url
+
+    def _object(self, key: str) -> str:
+        parts = Path(key).parts
+        if Path(key).is_absolute() or ".." in parts or not parts:
+            raise InvalidRequest(f"artifact key {key!r} escapes the store root")
+        return f"{self.base}/{'/'.join(parts)}"
+
+    def exists(self, key: str) -> bool:
+        from pyarrow import fs
+
+        return bool(self.fs.get_file_info(self._object(key)).type != fs.FileType.NotFound)
+
+    def _upload(self, key: str, local: Path) -> None:
+        """Upload a file under a temporary key, then copy it into place server-side: an
+        upload cut short never shows under ``key`` (S3 completes an object even when its
+        writer fails)."""
+        tmp = self._object(f".tmp/{uuid.uuid4().hex}")
+        try:
+            _copy_up(self.fs, local, tmp)
+            self.fs.move(tmp, self._object(key))
+        finally:
+            _forget(self.fs, tmp)
+
+    async def write_stream(self, key: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
+        """Spooled to the local cache (bounded as the local store bounds it), uploaded,
+        and kept there as the key's local copy (the upload's validation reads it)."""
+        size = await self.cache.write_stream(key, chunks, max_bytes)
+        try:  # off the event loop: an upload of hundreds of MB holds no other request
+            await asyncio.to_thread(self._upload, key, self.cache.path(key))
+        except BaseException:
+            self.cache.delete(key)
+            raise
+        return size
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        self.cache.write_bytes(key, data)
+        self._upload(key, self.cache.path(key))
+
+    def read_chunks(self, key: str, chunk_size: int = 1 << 16) -> Iterator[bytes]:
+        with self.fs.open_input_stream(self._object(key)) as fh:
+            while chunk := fh.read(chunk_size):
+                yield chunk
+
+    def put_dir(self, key: str, source: Path) -> None:
+        """Upload a folder under a temporary prefix, then replace ``key`` with it: the old
+        objects go, then the new ones are copied in server-side, one by one (not atomic: a
+        reader in between finds the key missing or partly there; TuneFleet writes a key's
+        folder once, before anyone reads it, and a replacement is re-fetched only by the
+        node that made it). A write cut short leaves objects under ``.tmp/``: expire them
+        with a lifecycle rule."""
+        from pyarrow import fs
+
+        tmp = self._object(f".tmp/{uuid.uuid4().hex}")
+        final = self._object(key)
+        try:
+            _copy_up(self.fs, source, tmp)
+            _forget(self.fs, final)
+            for info in self.fs.get_file_info(fs.FileSelector(tmp, recursive=True)):
+                if info.type == fs.FileType.File:
+                    self.fs.move(info.path, final + info.path[len(tmp) :])
+        finally:
+            _forget(self.fs, tmp)
+        self.cache.delete(key)  # a copy of the old folder
+
+    def delete(self, key: str) -> None:
+        _forget(self.fs, self._object(key))
+        self.cache.delete(key)
+
+    def local_copy(self, key: str) -> Path:
+        """The artifact in this node's cache, downloaded once (into a temporary name,
+        renamed into place: processes racing for it each get a whole copy)."""
+        from pyarrow import fs
+
+        target = self.cache.path(key)
+        if target.exists():
+            return target
+        info = self.fs.get_file_info(self._object(key))
+        if info.type == fs.FileType.NotFound:
+            raise FileNotFoundError(f"{key} is not in {self.url}")
+        tmp = self.cache._tmp_for(key)
+        try:
+            if info.type == fs.FileType.Directory:
+                tmp.mkdir()  # a folder's files are copied into it
+            fs.copy_files(
+                self._object(key),
+                str(tmp),
+                source_filesystem=self.fs,
+                destination_filesystem=fs.LocalFileSystem(),
+            )
+            try:
+                os.rename(tmp, target)
+            except OSError:  # another process put its copy in first
+                if not target.exists():
+                    raise
+        finally:
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+        return target
+
+    def ray_storage(self, key: str) -> tuple[str, Any]:
+        return self._object(key), self.fs
+
+
+def _private_dir(path: Path) -> None:
+    """Make ``path`` a folder of this user's alone, or refuse one that is not (a shared
+    temporary folder where another user could have planted files)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.lstat()
+    if path.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(
+            f"the artifact cache {path} must be a folder of this user's alone (mode 0700); "
+            "remove it or set TUNEFLEET_ARTIFACT_CACHE elsewhere"
+        )
+
+
+def _copy_up(filesystem: Any, local: Path, remote: str) -> None:
+    """A local file or folder to ``remote``."""
+    from pyarrow import fs
+
+    fs.copy_files(
+        str(local),
+        remote,
+        source_filesystem=fs.LocalFileSystem(),
+        destination_filesystem=filesystem,
+    )
+
+
+def _forget(filesystem: Any, remote: str) -> None:
+    """Remove an object or every object under a prefix; nothing there is fine."""
+    from pyarrow import fs
+
+    info = filesystem.get_file_info(remote)
+    if info.type == fs.FileType.File:
+        filesystem.delete_file(remote)
+    elif info.type == fs.FileType.Directory:
+        filesystem.delete_dir(remote)
+
+
+Store = ArtifactStore | S3Store
+
+
+def artifact_store(settings: Settings) -> Store:
+    """This process's artifact store, as its settings name it."""
+    return open_store(
+        settings.artifact_location,
+        endpoint_url=settings.s3_endpoint_url,
+        region=settings.s3_region,
+        cache_dir=settings.resolved_artifact_cache,
+    )
+
+
+def open_store(
+    location: str, *, endpoint_url: str = "", region: str = "", cache_dir: Path | None = None
+) -> Store:
+    """The store ``location`` names: ``s3://bucket/prefix`` or a local folder."""
+    if location.startswith("s3://"):
+        if cache_dir is None:
+            raise ValueError("an object-storage artifact store needs a local cache folder")
+        return S3Store(location, endpoint_url=endpoint_url, region=region, cache_dir=cache_dir)
+    return ArtifactStore(Path(location))

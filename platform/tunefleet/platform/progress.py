@@ -1,29 +1,25 @@
 """What a running job reports back: per-step metrics, checkpoints, the ETA.
 
-Written by the training driver's rank 0 (never the status: only the controller moves
-status). Metric events are OpenAI-shaped ``type="metrics"`` events whose ``data`` holds
-``step``, ``total_steps``, ``train_loss`` and TuneFleet's throughput figures.
+Reported by the run's rank 0 through its channel (``workers/run_channel.py``) and
+written here by the controller (never the status: only the controller moves status).
+Metric events are OpenAI-shaped ``type="metrics"`` events whose ``data`` holds ``step``,
+``total_steps``, ``train_loss`` and TuneFleet's throughput figures.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import update
-from sqlalchemy.exc import OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
 from tunefleet.platform.db.models import Checkpoint, Job, now_s
-from tunefleet.platform.db.session import session_scope
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.status import add_event
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 def record_metrics(
@@ -72,59 +68,59 @@ def record_message(
     add_event(session, job_id, message, level=level, data=data)
 
 
-# How long a run's last writes wait for a database that is away before the run fails
-# (and is retried from its checkpoint by the controller).
-FINAL_WRITE_WAIT_S = 600.0
+# What a run may report through its channel, and the fields of each (the job is the
+# channel's, never the run's to name).
+RECORDS: dict[str, tuple[Callable[..., object], frozenset[str]]] = {
+    "metrics": (
+        record_metrics,
+        frozenset({"step", "total_steps", "metrics", "trained_tokens", "eta_s"}),
+    ),
+    "checkpoint": (record_checkpoint, frozenset({"step", "path", "metrics"})),
+    "message": (record_message, frozenset({"message", "level", "data"})),
+}
 
 
-class Reporter:
-    """A run's writes to its job (events, checkpoints, progress), applied in order. While
-    the database is unreachable (a restart, a fail-over, a short outage) they wait in
-    memory and go in, in one transaction, with the next write that reaches it: the run
-    neither fails nor loses a step. ``flush(wait_s)`` at the end waits for the database.
-    Reads (``read``) answer their default while it is away."""
-
-    def __init__(self, db_url: str) -> None:
-        self.db_url = db_url
-        self.pending: list[Callable[[Session], object]] = []
-        self.away_since: float | None = None
-
-    def write(self, change: Callable[[Session], object]) -> None:
-        self.pending.append(change)
-        self.flush()
-
-    def flush(self, wait_s: float = 0.0) -> None:
-        """Apply what waits; with ``wait_s``, retry for that long, then raise."""
-        deadline = time.monotonic() + wait_s
-        while self.pending:
-            try:
-                with session_scope(self.db_url) as s:
-                    for change in self.pending:
-                        change(s)
-            except (OperationalError, PoolTimeout) as exc:
-                if self.away_since is None:
-                    self.away_since = time.monotonic()
-                    log.warning("database away; %d write(s) wait: %s", len(self.pending), exc)
-                if time.monotonic() >= deadline:
-                    if wait_s:
-                        raise
-                    return
-                time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
-                continue
-            if self.away_since is not None:
-                log.warning(
-                    "database back after %.0f s; %d write(s) applied",
-                    time.monotonic() - self.away_since,
-                    len(self.pending),
-                )
-                self.away_since = None
-            self.pending.clear()
-
-    def read(self, query: Callable[[Session], T], default: T) -> T:
-        if self.pending:
-            self.flush()
+def apply(session: Session, job: Job, run_id: str, records: list[dict[str, Any]]) -> int:
+    """Write a run's records on its job, each once: the job keeps which channel's records
+    are in up to which number (``Job.reported``), so records taken again after a controller
+    fail-over are skipped. A record that cannot be written (a field missing or of the wrong
+    type) is skipped with a warning event, alone: it must not hold up the run's others.
+    Returns the number of the last record seen."""
+    mark = job.reported or {}
+    for record in records:
+        seq, channel = int(record["seq"]), record.get("channel")
+        same = mark.get("run") == run_id and mark.get("channel") == channel
+        if same and seq <= int(mark["seq"]):
+            continue
+        mark = {"run": run_id, "channel": channel, "seq": seq}
+        kind = record.get("kind")
+        write, fields = RECORDS.get(str(kind), (None, frozenset()))
         try:
-            with session_scope(self.db_url) as s:
-                return query(s)
-        except (OperationalError, PoolTimeout):
-            return default
+            if write is None:
+                raise ValueError(f"unknown record kind {kind!r}")
+            with session.begin_nested():
+                write(session, job.id, **{k: v for k, v in record.items() if k in fields})
+        except (TypeError, ValueError) as exc:
+            log.error("run %s reported record %d that cannot be written: %s", run_id, seq, exc)
+            add_event(
+                session,
+                job.id,
+                f"A report of run {run_id} was skipped: {exc}"[:500],
+                level="warning",
+            )
+    if mark != (job.reported or {}):
+        job.reported = mark
+    return max((int(r["seq"]) for r in records), default=0)
+
+
+def wanted_stop(status: str, current_run: str | None, run_id: str) -> dict[str, Any] | None:
+    """What a run must do, from its job's row: leave after a checkpoint (``paused``: the
+    job was paused, or resumed before this run saw the pause, or another run is now the
+    job's current one), leave now (``cancelled``), or go on (None)."""
+    if status == "cancelled":
+        kind = "cancelled"
+    elif status in ("paused", "queued") or current_run not in (None, run_id):
+        kind = "paused"
+    else:
+        return None
+    return {"stop": kind, "status": status, "current": current_run}

@@ -1,9 +1,10 @@
-"""How adapters are served, as the database records it: the one place replicas read and
-the API writes.
+"""How adapters are served, as the database records it (the contract between the API and
+the Serve applications is ``serving_contract``'s).
 
-Each serving replica polls :func:`serving_config` for its base model and applies it (merged
-copies built or dropped, adapters pinned or released), so a change made through the API
-reaches every replica, including ones autoscaling starts later, without a restart.
+The controller pushes :func:`serving_config` of each base model to its replicas, which
+apply it (merged copies built or dropped, adapters pinned or released), so a change made
+through the API reaches every replica, including ones autoscaling starts later, without a
+restart; replicas never read the database.
 """
 
 from __future__ import annotations
@@ -17,20 +18,6 @@ from tunefleet.platform.db import Adapter, AdapterShare, Tenant
 from tunefleet.platform.errors import InvalidRequest, NotFound
 
 ServingMode = Literal["multiplexed", "merged"]
-
-# The contract between the API's inference proxy and the Serve applications: each base
-# model's application is named ``app_name(base)`` and answers under ``route_prefix(base)``;
-# a request names its adapter (the job that made it) in ``ADAPTER_HEADER``, which Serve's
-# multiplexing routes on; no header means the bare base model.
-ADAPTER_HEADER = "serve_multiplexed_model_id"
-
-
-def route_prefix(base_model: str) -> str:
-    return f"/models/{base_model}"
-
-
-def app_name(base_model: str) -> str:
-    return "tunefleet-" + "".join(c if c.isalnum() else "-" for c in base_model.lower())
 
 
 def serving_config(session: Session, base_model: str) -> dict[str, list[str]]:

@@ -6,6 +6,8 @@ Nothing here is built at import time: call ``get_settings()`` where a value is n
 
 from __future__ import annotations
 
+import os
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -27,10 +29,23 @@ class Settings(BaseSettings):
         default="",
         description="SQLAlchemy URL. Empty means a SQLite file `tunefleet.db` in data_dir.",
     )
-    artifact_root: Path | None = Field(
+    artifact_root: str = Field(
+        default="",
+        description="Where uploads, checkpoints, adapters and merged models live: a local "
+        "folder (shared by every node: a ReadWriteMany volume) or s3://bucket/prefix "
+        "(credentials from the AWS_* environment). Empty: data_dir/artifacts.",
+    )
+    s3_endpoint_url: str = Field(
+        default="",
+        description="S3 endpoint for s3:// artifact roots other than AWS's (MinIO, GCS's "
+        "interoperability endpoint), e.g. http://minio:9000.",
+    )
+    s3_region: str = Field(default="", description="S3 region (empty: us-east-1).")
+    artifact_cache: Path | None = Field(
         default=None,
-        description="Artifact store root (uploads, checkpoints, adapters). "
-        "Default data_dir/artifacts.",
+        description="Where the processes of a node keep their copies of artifacts from "
+        "object storage (training files, adapters), this user's alone. Default: "
+        "tunefleet-artifact-cache-UID in the system's temporary folder.",
     )
     model_registry: Path | None = Field(
         default=None,
@@ -60,6 +75,19 @@ class Settings(BaseSettings):
     api_port: int = Field(default=8080, description="Port the REST API listens on.")
     serve_host: str = Field(default="127.0.0.1", description="Ray Serve HTTP proxy host.")
     serve_port: int = Field(default=8000, description="Ray Serve HTTP proxy port.")
+    serve_proxy_location: Literal["HeadOnly", "EveryNode"] = Field(
+        default="HeadOnly",
+        description="Where Serve's HTTP proxies run: the head alone (one address for the "
+        "API to call) or every node with a replica.",
+    )
+    serve_secret: str = Field(
+        default="",
+        repr=False,
+        description="Shared secret the API sends Serve with every request; Serve refuses "
+        "requests without it. Empty: one is made once in data_dir/serve-secret (the "
+        "embedded default); set it (the same value) on the API and the controller in a "
+        "cluster.",
+    )
     serve_max_adapters_per_replica: int = Field(
         default=64, ge=1, le=1024, description="Adapters one serving replica holds (LRU)."
     )
@@ -81,8 +109,11 @@ class Settings(BaseSettings):
     serve_target_ongoing_requests: float = Field(
         default=16, gt=0, description="Autoscaling target of ongoing requests per replica."
     )
-    serve_config_poll_s: float = Field(
-        default=2, gt=0, description="How often replicas re-read merged/pinned adapters."
+    serve_config_push_s: float = Field(
+        default=2,
+        gt=0,
+        description="How often the controller pushes which adapters are merged or pinned to "
+        "every serving replica (a change goes at once; a new replica learns it within this).",
     )
     max_upload_bytes: int = Field(
         default=512 * 1024 * 1024, gt=0, description="Largest accepted file upload, in bytes."
@@ -126,8 +157,23 @@ class Settings(BaseSettings):
         return f"sqlite:///{(self.data_dir / 'tunefleet.db').resolve()}"
 
     @property
+    def artifact_location(self) -> str:
+        """The artifact store: its s3:// URL, or its local folder's absolute path."""
+        if self.artifact_root.startswith("s3://"):
+            return self.artifact_root
+        return str(self.resolved_artifact_root)
+
+    @property
     def resolved_artifact_root(self) -> Path:
-        return (self.artifact_root or self.data_dir / "artifacts").resolve()
+        """The local artifact folder (with an s3:// artifact root: its local copies)."""
+        if self.artifact_root.startswith("s3://"):
+            return self.resolved_artifact_cache
+        return Path(self.artifact_root or self.data_dir / "artifacts").resolve()
+
+    @property
+    def resolved_artifact_cache(self) -> Path:
+        default = Path(tempfile.gettempdir()) / f"tunefleet-artifact-cache-{os.getuid()}"
+        return (self.artifact_cache or default).resolve()
 
     @property
     def resolved_model_registry(self) -> Path:

@@ -7,19 +7,23 @@ path serves a local Ray started in-process (embedded default) and a remote clust
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tunefleet.platform.scheduler import Node
-from tunefleet.platform.serving import app_name, route_prefix
+from tunefleet.platform.serving_contract import app_name, route_prefix, serve_secret
 from tunefleet.platform.settings import Settings
+from tunefleet.workers import run_channel
 
 log = logging.getLogger(__name__)
+
 
 # Ray job states, spelled as Ray spells them.
 PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED = (
@@ -63,18 +67,19 @@ class RayBackend:
             metrics: dict[str, Any] = {}
             if self.settings.ray_metrics_port is not None:
                 metrics["_metrics_export_port"] = self.settings.ray_metrics_port
-            info = ray.init(
-                # a new cluster of our own, never one a `ray start` or RAY_ADDRESS names
-                address="local",
-                **metrics,
-                num_cpus=self.settings.ray_num_cpus,
-                include_dashboard=True,
-                dashboard_host="127.0.0.1",
-                dashboard_port=self.settings.ray_dashboard_port,
-                log_to_driver=False,
-                # Runs get the same interpreter and packages as this process.
-                runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
-            )
+            with _environment_without(SECRET_ENV):  # Ray's processes inherit the rest
+                info = ray.init(
+                    # a new cluster of our own, never one a `ray start` or RAY_ADDRESS names
+                    address="local",
+                    **metrics,
+                    num_cpus=self.settings.ray_num_cpus,
+                    include_dashboard=True,
+                    dashboard_host="127.0.0.1",
+                    dashboard_port=self.settings.ray_dashboard_port,
+                    log_to_driver=False,
+                    # Runs get the same interpreter and packages as this process.
+                    runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
+                )
             dashboard = f"http://{info.dashboard_url}"
             session_dir = info.address_info["session_dir"]  # type: ignore[attr-defined]
             note_session(self.settings.data_dir / EMBEDDED_MARKER, session_dir)
@@ -150,6 +155,27 @@ class RayBackend:
         except RuntimeError as exc:
             log.warning("stopping %s: %s", submission_id, exc)
 
+    # -- run channels (workers/run_channel.py) -----------------------------------------
+    def open_channel(self, run_id: str, inputs: dict[str, Any]) -> None:
+        run_channel.open_channel(run_id, inputs)
+
+    def open_channels(self) -> list[str]:
+        return run_channel.open_runs()
+
+    def take(self, run_id: str) -> list[dict[str, Any]] | None:
+        """What the run reported and was not acknowledged yet; None without a channel."""
+        records: list[dict[str, Any]] | None = run_channel.call(run_id, "take")
+        return records
+
+    def ack(self, run_id: str, upto: int) -> None:
+        run_channel.call(run_id, "ack", upto)
+
+    def ask_stop(self, run_id: str, stop: dict[str, Any] | None) -> None:
+        run_channel.call(run_id, "ask_stop", stop)
+
+    def close_channel(self, run_id: str) -> None:
+        run_channel.close_channel(run_id)
+
     # -- serving (Ray Serve) -----------------------------------------------------------
     def deploy_model_server(self, base_model: str, model_path: str) -> str:
         """Deploy (or keep) the Serve application for ``base_model``; returns its route."""
@@ -159,7 +185,8 @@ class RayBackend:
 
         if not self._serve_started:
             serve.start(
-                http_options={"host": self.settings.serve_host, "port": self.settings.serve_port}
+                proxy_location=self.settings.serve_proxy_location,
+                http_options={"host": self.settings.serve_host, "port": self.settings.serve_port},
             )
             self._serve_started = True
         name = app_name(base_model)
@@ -173,14 +200,17 @@ class RayBackend:
             max_batch_size=st.serve_max_batch_size,
             batch_wait_ms=st.serve_batch_wait_ms,
             base_quantization=st.serve_base_quantization,
-            database_url=st.resolved_database_url,
-            config_poll_s=st.serve_config_poll_s,
         )
         serve.run(
             build_app(
                 base_model=base_model,
                 model_path=model_path,
-                artifact_root=str(st.resolved_artifact_root),
+                store={
+                    "location": st.artifact_location,
+                    "endpoint_url": st.s3_endpoint_url,
+                    "region": st.s3_region,
+                },
+                secret=serve_secret(st),
                 options=options,
                 min_replicas=st.serve_min_replicas,
                 max_replicas=max(st.serve_min_replicas, st.serve_max_replicas),
@@ -190,6 +220,15 @@ class RayBackend:
             route_prefix=prefix,
         )
         return prefix
+
+    def push_serving_config(self, base_model: str, config: dict[str, list[str]]) -> list[Any]:
+        """Tell every live replica of ``base_model``'s application which adapters to serve
+        merged and which to keep pinned (``LoraServer.configure``); what each applied."""
+        from ray import serve
+
+        handle = serve.get_deployment_handle("LoraServer", app_name(base_model))
+        results: list[Any] = handle.broadcast("configure", config).results(timeout_s=600)
+        return results
 
     def shutdown(self) -> None:
         import ray
@@ -267,7 +306,34 @@ def note_session(marker: Path, session_dir: str) -> None:
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "session_dir": session_dir}))
 
 
+# The settings a run reads (where artifacts and base models are), the fault tests' switch,
+# and thread limits: what the driver must see as this process does. Nothing else of this
+# process's environment goes (never a credential: Ray shows a run's environment).
+RUN_ENV = (
+    "TUNEFLEET_DATA_DIR",
+    "TUNEFLEET_ARTIFACT_ROOT",
+    "TUNEFLEET_MODEL_REGISTRY",
+    "TUNEFLEET_FAILPOINT",
+    EMBEDDED_ENV,
+    "OMP_NUM_THREADS",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+)
+
+
+# What only TuneFleet's own services hold: kept out of the embedded Ray's processes
+# (replicas get the Serve secret as an argument).
+SECRET_ENV = ("TUNEFLEET_DATABASE_URL", "TUNEFLEET_SERVE_SECRET")
+
+
+@contextlib.contextmanager
+def _environment_without(names: tuple[str, ...]) -> Iterator[None]:
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def _passthrough_env() -> dict[str, str]:
-    """TuneFleet settings and thread limits the driver must see as this process does."""
-    keep = ("TUNEFLEET_", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    return {k: v for k, v in os.environ.items() if k.startswith(keep)}
+    return {k: v for k, v in os.environ.items() if k in RUN_ENV}

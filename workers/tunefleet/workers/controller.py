@@ -1,7 +1,9 @@
 """The controller: one loop that moves jobs through their life on Ray.
 
-Each pass: admit jobs whose files are validated (``validating_files -> queued``), follow
-running jobs to their end (retrying failed runs with backoff), let the scheduling policy
+Each pass: write what runs reported through their channels (``workers/run_channel.py``:
+runs never touch the database) and tell them whether to stop, admit jobs whose files are
+validated (``validating_files -> queued``), follow running jobs to their end (retrying
+failed runs with backoff), let the scheduling policy
 (``tunefleet.platform.scheduler.plan``) decide which queued jobs start and where, apply
 those decisions, and stop the Ray jobs of cancelled or paused ones. Only the holder of the
 controller lease (``tunefleet.platform.lease``) runs passes; a standby takes over when the
@@ -32,12 +34,13 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from tunefleet.platform.artifacts import ArtifactStore
+from tunefleet.platform.artifacts import artifact_store
 from tunefleet.platform.db import Adapter, Job, JobEvent, Tenant, now_s, session_scope
 from tunefleet.platform.errors import Conflict
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.lease import Lease, LeaseLost
 from tunefleet.platform.models import ModelRegistry
+from tunefleet.platform.progress import apply, wanted_stop
 from tunefleet.platform.scheduler import (
     MAX_RUN_FAILURES,
     Dispatch,
@@ -53,6 +56,7 @@ from tunefleet.platform.scheduler import (
     plan,
     serving_mode,
 )
+from tunefleet.platform.serving import serving_config
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.spec import JobSpec, Resources, fine_tuned_model_name
 from tunefleet.platform.status import JobStatus, add_event, transition
@@ -106,7 +110,7 @@ class Controller:
         self.backend = backend
         self.lease = lease
         self.db_url = settings.resolved_database_url
-        self.store = ArtifactStore(settings.resolved_artifact_root)
+        self.store = artifact_store(settings)
         self.registry = ModelRegistry(settings.resolved_model_registry)
         self._served: set[str] = set()
         self._tokenizers: dict[str, Any] = {}  # used on the admission thread only
@@ -120,6 +124,15 @@ class Controller:
         # base model -> (monotonic start, the deploy on the serving thread)
         self._serving = futures.ThreadPoolExecutor(1, thread_name_prefix="serving")
         self._deploying: dict[str, tuple[float, futures.Future[str]]] = {}
+        self._asked: dict[str, dict[str, Any] | None] = {}  # run id -> the stop it was told
+        # base model -> the serving configuration its replicas last applied, and the push
+        # in flight on its own thread (a merge takes seconds)
+        self._pushed: dict[str, dict[str, list[str]]] = {}
+        self._push_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="serving-config")
+        self._pushing: futures.Future[None] | None = None
+        self._next_push = 0.0
+        self.leading = False
+        self.last_round = time.monotonic()  # the end of the loop's last round (``health``)
 
     # -- the loop --------------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
@@ -145,13 +158,27 @@ class Controller:
                     log.warning("controller lost the lease mid-pass (%s); standing by", exc)
                 except Exception:  # top of the loop: log, keep the controller alive
                     log.exception("controller pass failed")
+                self.leading, self.last_round = leading, time.monotonic()
                 stop.wait(self.settings.controller_interval_s)
         finally:
             self._closing.set()  # a count in progress stops at its next line
             self._admission.shutdown(wait=True, cancel_futures=True)
             self._serving.shutdown(wait=False, cancel_futures=True)  # a deploy may never end
+            self._push_pool.shutdown(wait=False, cancel_futures=True)
             if self.lease is not None:
                 self.lease.release()
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Healthy while the loop goes round (leading or standing by): a round that has not
+        ended for longer than the lease lasts means the controller is stuck."""
+        age = time.monotonic() - self.last_round
+        limit = max(self.settings.controller_lease_ttl_s, 10 * self.settings.controller_interval_s)
+        term = self.lease.term if self.lease is not None and self.leading else None
+        return age < limit, {
+            "leading": self.leading,
+            "term": term,
+            "last_round_s_ago": round(age, 3),
+        }
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[Session]:
@@ -183,10 +210,12 @@ class Controller:
                 )
 
     def tick(self) -> None:
+        self._relay_runs()
         self._admit()
         self._follow_running()
         self._dispatch()
         self._stop_unwanted_runs()
+        self._push_serving()
 
     # -- steps -----------------------------------------------------------------------
     def _admit(self) -> None:
@@ -287,7 +316,7 @@ class Controller:
 
         from tunefleet.workers.train.data import token_stats
 
-        path = self.store.path(self.store.file_key(file_id))
+        path = self.store.local_copy(self.store.file_key(file_id))
         if not path.exists():
             raise FileNotFoundError(f"file {file_id} is no longer in the artifact store")
         if model not in self._tokenizers:
@@ -448,15 +477,22 @@ class Controller:
             self._waiting[job_id] = message
 
     def _submit(self, job_id: str, sid: str) -> None:
-        env = {
-            "TUNEFLEET_DATABASE_URL": self.db_url,
-            "TUNEFLEET_ARTIFACT_ROOT": str(self.store.root),
+        with session_scope(self.db_url) as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            inputs = run_inputs(job)
+        env = {  # never a credential: Ray's Jobs API shows a run's environment to anyone
+            "TUNEFLEET_ARTIFACT_ROOT": self.store.location,
+            "TUNEFLEET_S3_ENDPOINT_URL": self.settings.s3_endpoint_url,
+            "TUNEFLEET_S3_REGION": self.settings.s3_region,
             "TUNEFLEET_MODEL_REGISTRY": str(self.registry.root),
             "TUNEFLEET_RUN_ID": sid,
         }
         if point := os.environ.get("TUNEFLEET_FAILPOINT"):  # the fault tests' runs too
             env["TUNEFLEET_FAILPOINT"] = point
+        self._asked.pop(sid, None)  # a channel opened again has been told nothing
         try:
+            self.backend.open_channel(sid, inputs)
             self.backend.submit_run(sid, job_id, env)
             failpoint("dispatch.after_submit")
             with self._writing() as s:
@@ -467,6 +503,39 @@ class Controller:
             log.warning("submitting %s of %s failed: %s", sid, job_id, exc)
             with moved_on(job_id):
                 self._submit_refused(job_id, sid, f"could not submit to Ray: {exc}")
+
+    def _relay_runs(self) -> None:
+        """Every open run channel: write what its run reported, tell it whether to stop;
+        close the channel of a run that ended and is no longer its job's running one."""
+        for sid in self.backend.open_channels():
+            job_id = sid.rsplit("-", 1)[0]
+            with moved_on(job_id), self._job_alone(job_id):
+                current = self.relay(job_id, sid)
+                if current or self.backend.run_status(sid).status not in TERMINAL_RAY | {NOT_FOUND}:
+                    continue
+                self.relay(job_id, sid)  # what it said between the two looks
+                self.backend.close_channel(sid)
+                self._asked.pop(sid, None)
+
+    def relay(self, job_id: str, sid: str) -> bool:
+        """Write what run ``sid`` reported on its job (each record once: ``progress.apply``)
+        and tell it whether to stop (``progress.wanted_stop``); whether it is its job's
+        running run. Nothing reported: a read, no write."""
+        records = self.backend.take(sid)
+        with self._writing() if records else session_scope(self.db_url) as s:
+            job = s.get(Job, job_id)
+            if job is None:  # the job is gone: so is what its run had to say
+                return False
+            if records:
+                apply(s, job, sid, records)
+            stop = wanted_stop(job.status, job.ray_submission_id, sid)
+            current = job.status == S.RUNNING.value and job.ray_submission_id == sid
+        if records:
+            self.backend.ack(sid, max(r["seq"] for r in records))
+        if sid not in self._asked or self._asked[sid] != stop:
+            self.backend.ask_stop(sid, stop)
+            self._asked[sid] = stop
+        return current
 
     def _follow_running(self) -> None:
         with session_scope(self.db_url) as s:
@@ -484,8 +553,10 @@ class Controller:
                     log.warning("run %s of %s is unknown to Ray; submitting it", sid, job_id)
                     self._submit(job_id, sid)
                 elif info.status == SUCCEEDED:
+                    self.relay(job_id, sid)  # its last words first
                     self._succeed(job_id)
                 elif info.status in (FAILED, STOPPED):
+                    self.relay(job_id, sid)  # the error it recorded, if any
                     self._run_failed(job_id, sid, ray_reason(info.message))
                 else:
                     failpoint("follow.running")
@@ -671,6 +742,35 @@ class Controller:
                 self.backend.stop_run(sid)
                 log.info("stopped run %s of %s job %s", sid, status, job_id)
 
+    def run_in_process(self, job_id: str, sid: str) -> None:
+        """One run of a job in this process, through the real driver, without the Jobs API
+        (tests and benchmarks): its channel opened, what it reports written and its stops
+        told every 0.2 s, and once more at its end. Raises what the run raised."""
+        from tunefleet.workers.train.driver import run
+
+        with session_scope(self.db_url) as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            self.backend.open_channel(sid, run_inputs(job))
+        ended = threading.Event()
+
+        def relay() -> None:
+            while not ended.wait(0.2):
+                try:
+                    self.relay(job_id, sid)
+                except Exception:  # as a pass would: said, and tried again
+                    log.exception("relaying run %s", sid)
+
+        relaying = threading.Thread(target=relay, daemon=True, name=f"relay-{sid}")
+        relaying.start()
+        try:
+            run(job_id, sid)
+        finally:
+            ended.set()
+            relaying.join()
+            self.relay(job_id, sid)
+            self.backend.close_channel(sid)
+
     # -- serving ---------------------------------------------------------------------
     def ensure_served(self, base_model: str) -> bool:
         """Whether the Serve application of ``base_model`` is deployed (once per
@@ -713,6 +813,30 @@ class Controller:
         self._served.add(base_model)
         return True
 
+    def _push_serving(self) -> None:
+        """Push which adapters are served merged and which pinned (``serving_config``, as
+        the admin API sets them) to every replica of each served base model: at once when
+        it changed, and every ``serve_config_push_s`` anyway, so that a replica autoscaling
+        started learns it. Replicas never read the database."""
+        if not self._served or (self._pushing is not None and not self._pushing.done()):
+            return
+        with session_scope(self.db_url) as s:
+            wanted = {base: serving_config(s, base) for base in sorted(self._served)}
+        if wanted == self._pushed and time.monotonic() < self._next_push:
+            return
+        self._next_push = time.monotonic() + self.settings.serve_config_push_s
+        self._pushing = self._push_pool.submit(self._push, wanted)
+
+    def _push(self, wanted: dict[str, dict[str, list[str]]]) -> None:
+        for base, config in wanted.items():
+            try:
+                self.backend.push_serving_config(base, config)
+            except Exception as exc:  # the next push tries again
+                log.warning("pushing the serving configuration of %s failed: %s", base, exc)
+                self._pushed.pop(base, None)
+            else:
+                self._pushed[base] = config
+
     def serve_existing_adapters(self) -> None:
         with session_scope(self.db_url) as s:
             bases = set(s.scalars(select(Adapter.base_model).distinct()))
@@ -722,6 +846,17 @@ class Controller:
                     self.ensure_served(base)
                 except RuntimeError as exc:  # its jobs' adapters wait; other bases go on
                     log.warning("%s", exc)
+
+
+def run_inputs(job: Job) -> dict[str, Any]:
+    """What a run gets from its channel (it never reads the database): the spec as the API
+    stored it, the device its plan is for (a micro-batch probe on CPU workers), and the
+    node of each worker the scheduler placed it on."""
+    return {
+        "spec": job.spec,
+        "device_memory_bytes": (job.plan or {}).get("device", {}).get("memory_bytes"),
+        "nodes": (job.placement or {}).get("nodes"),
+    }
 
 
 def _recorded_error(s: Session, job_id: str) -> dict[str, Any] | None:

@@ -194,8 +194,8 @@ def update_serving(
     model: str, body: ServingUpdate, session: SessionDep, _: AdminDep
 ) -> dict[str, Any]:
     """Move an adapter between merged and multiplexed serving, or pin it; every replica of
-    its base model applies the change within ``TUNEFLEET_SERVE_CONFIG_POLL_S``, requests
-    in flight finish where they started."""
+    its base model applies the change once the controller pushes it (within
+    ``TUNEFLEET_SERVE_CONFIG_PUSH_S``), requests in flight finish where they started."""
     adapter = session.scalar(select(Adapter).where(Adapter.name == model))
     if adapter is None:
         raise NotFound(f"no fine-tuned model named {model!r}", param="model")

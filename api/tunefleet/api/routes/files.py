@@ -75,7 +75,7 @@ async def upload_file(
     size = await store.write_stream(key, chunks(), settings.max_upload_bytes)
     try:
         # Reading a file of up to max_upload_bytes is real work: off the event loop.
-        report = await anyio.to_thread.run_sync(validate_file, store.path(key))
+        report = await anyio.to_thread.run_sync(validate_file, store.local_copy(key))
         raise_for_report(report, filename)
         row = File(
             id=file_id,

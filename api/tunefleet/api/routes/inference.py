@@ -19,7 +19,13 @@ from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, SettingsDe
 from tunefleet.api.openapi import errors, ok
 from tunefleet.platform.errors import InvalidRequest, NotFound, Unavailable
 from tunefleet.platform.models import ModelRegistry
-from tunefleet.platform.serving import ADAPTER_HEADER, route_prefix, visible_adapter
+from tunefleet.platform.serving import visible_adapter
+from tunefleet.platform.serving_contract import (
+    ADAPTER_HEADER,
+    SECRET_HEADER,
+    route_prefix,
+    serve_secret,
+)
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.tenants import Principal
 
@@ -136,7 +142,9 @@ async def _forward(
         base, adapter_id = adapter.base_model, adapter.job_id
     session.close()  # a long generation must not hold a database connection
     url = f"{settings.serve_url}{route_prefix(base)}/v1/{path}"
-    headers = {ADAPTER_HEADER: adapter_id} if adapter_id else {}
+    headers = {SECRET_HEADER: serve_secret(settings)}
+    if adapter_id:
+        headers[ADAPTER_HEADER] = adapter_id
     client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
     try:
         resp = await client.send(
@@ -165,6 +173,11 @@ async def _forward(
     finally:
         await resp.aclose()
         await client.aclose()
+    if resp.status_code in (401, 403):  # Serve refused the API itself, not the caller
+        raise Unavailable(
+            f"serving for base model {base!r} refused the API's secret: set the same "
+            "TUNEFLEET_SERVE_SECRET on the API and the controller"
+        )
     if resp.status_code == 404 and b"error" not in content:
         raise Unavailable(
             f"serving for base model {base!r} is not deployed yet; it starts "

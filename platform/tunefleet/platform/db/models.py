@@ -105,6 +105,8 @@ class Job(Base):
     failures: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     not_before: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     placement: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # {"run": run id, "seq": n}: that run's records up to n are in (progress.apply).
+    reported: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class ControllerLease(Base):

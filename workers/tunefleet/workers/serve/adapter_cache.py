@@ -56,6 +56,9 @@ class AdapterCache:
     def capacity(self) -> int:
         return self.lora.max_adapters
 
+    def __contains__(self, adapter_id: str) -> bool:
+        return adapter_id in self._entries
+
     def loaded(self) -> list[dict[str, Any]]:
         with self._lock:
             return [

@@ -4,7 +4,8 @@ Adapters load on demand from the artifact store through ``serve.multiplexed`` (s
 routes a request to a replica that already holds its adapter) and are evicted LRU.
 Requests name their adapter in the header ``tunefleet.platform.serving`` names (the
 TuneFleet API sets it after checking the caller may use that model); no header means the
-bare base.
+bare base. Every request must carry the shared secret (``SECRET_HEADER``): Serve answers
+the API, not whoever reaches its port.
 OpenAI's ``/v1/chat/completions`` and ``/v1/completions``, whole or streamed as
 server-sent events (``data: {...}`` chunks, then ``data: [DONE]``).
 
@@ -15,22 +16,24 @@ Glossary: *adapter id* is the job id that produced the adapter (its artifact key
 # No `from __future__ import annotations` here: Serve's class-based ingress resolves the
 # route signatures at run time and would take a string `Request` for a query parameter.
 import asyncio
+import hmac
 import json
 import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from transformers import AutoTokenizer
 
-from tunefleet.platform.artifacts import ArtifactStore
+from tunefleet.platform.artifacts import open_store
+from tunefleet.platform.serving_contract import ADAPTER_HEADER, ADAPTER_ID, SECRET_HEADER
+from tunefleet.platform.settings import get_settings
 from tunefleet.workers.serve.adapter_cache import AdapterCache, AdapterInUse, CacheFullError
 from tunefleet.workers.serve.adapters import AdapterError, load_serving_base, merge_into_copy
 from tunefleet.workers.serve.answer import Answer
@@ -64,9 +67,6 @@ class ServingOptions(BaseModel):
     max_batch_size: int = Field(default=32, ge=1, le=1024)
     batch_wait_ms: float = Field(default=5.0, ge=0, le=1000)
     base_quantization: Literal["none", "nf4"] = "none"
-    # where the replica reads which adapters are served merged or pinned (None: none are)
-    database_url: str | None = None
-    config_poll_s: float = Field(default=2.0, gt=0)
 
 
 class ServingConfig(BaseModel):
@@ -80,6 +80,29 @@ class ServingConfig(BaseModel):
 app = FastAPI()
 
 
+def not_an_adapter(adapter_id: str) -> JSONResponse:
+    return error(400, f"{adapter_id[:80]!r} is not an adapter id (ftjob-...)", "invalid_adapter")
+
+
+@app.middleware("http")
+async def require_secret(request: Request, call_next: Any) -> Response:
+    """The API's requests only: the shared secret (``LoraServer(secret=...)``, read from
+    the replica itself: Serve runs a copy of this app), compared in constant time; a
+    malformed adapter id is refused before anything loads."""
+    expected: bytes | None = getattr(serve.get_replica_context().servable_object, "secret", None)
+    given = request.headers.get(SECRET_HEADER)
+    if given is None:
+        message = f"missing {SECRET_HEADER}: Serve answers the TuneFleet API only"
+        return error(401, message, "unauthorized", param=None)
+    if expected is None or not hmac.compare_digest(given.encode(), expected):
+        return error(403, f"wrong {SECRET_HEADER}", "forbidden", param=None)
+    adapter_id = request.headers.get(ADAPTER_HEADER)
+    if adapter_id and not ADAPTER_ID.fullmatch(adapter_id):
+        return not_an_adapter(adapter_id)
+    response: Response = await call_next(request)
+    return response
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
 @serve.ingress(app)
 class LoraServer:
@@ -87,12 +110,20 @@ class LoraServer:
     copy of the base per adapter served merged."""
 
     def __init__(
-        self, base_model: str, model_path: str, artifact_root: str, options: dict[str, Any]
+        self,
+        base_model: str,
+        model_path: str,
+        store: dict[str, str],
+        options: dict[str, Any],
+        secret: str,
     ):
+        self.secret = secret.encode()
         self.base_model = base_model
         self.model_path = model_path
         self.options = ServingOptions.model_validate(options)
-        self.store = ArtifactStore(Path(artifact_root))
+        # adapters come from the artifact store into this node's cache (its own settings say
+        # where that is)
+        self.store = open_store(**store, cache_dir=get_settings().resolved_artifact_cache)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # Per-adapter metrics through Ray's metrics agent (Prometheus on each node's
         # metrics export port); Serve adds the deployment, replica and application tags.
@@ -121,7 +152,7 @@ class LoraServer:
         self.lora = MultiLoraModel(base, max_adapters=self.options.max_adapters_per_replica)
         self.cache = AdapterCache(
             self.lora,
-            locate=lambda a: self.store.path(self.store.adapter_key(a)),
+            locate=lambda a: self.store.local_copy(self.store.adapter_key(a)),
             on_load=lambda a: self.m_loads.inc(tags={"adapter": a}),
             on_evict=lambda a: self.m_evictions.inc(tags={"adapter": a}),
         )
@@ -134,8 +165,6 @@ class LoraServer:
         self.merged: dict[str, BatchEngine] = {}  # adapter id -> engine of its merged copy
         self.applied = ServingConfig()
         self._config_lock = threading.Lock()
-        if self.options.database_url:
-            threading.Thread(target=self._poll_config, name="serving-config", daemon=True).start()
 
     def _engine(self, lora: MultiLoraModel) -> BatchEngine:
         engine = BatchEngine(
@@ -148,37 +177,21 @@ class LoraServer:
         engine.start()
         return engine
 
-    def _poll_config(self) -> None:
-        """Apply the serving configuration the database holds for this base model, now
-        and whenever it changes."""
-        from tunefleet.platform.db import session_scope
-        from tunefleet.platform.serving import serving_config
-
-        assert self.options.database_url is not None
-        while True:
-            try:
-                with session_scope(self.options.database_url) as s:
-                    wanted = ServingConfig.model_validate(serving_config(s, self.base_model))
-                if wanted != self.applied:
-                    self.apply_config(wanted)
-            except Exception:  # keep polling: the database may be back next time
-                log.exception("reading the serving configuration of %s", self.base_model)
-            time.sleep(self.options.config_poll_s)
+    async def configure(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Called by the controller on every replica (``RayBackend.push_serving_config``)
+        when the platform's serving configuration of this base model changes, and every
+        few seconds so that a new replica learns it; answers what this replica applied."""
+        wanted = ServingConfig.model_validate(config)
+        if wanted != self.applied:
+            await asyncio.to_thread(self.apply_config, wanted)
+        return self.applied.model_dump()
 
     def apply_config(self, wanted: ServingConfig) -> None:
         """Serve ``wanted.merged`` adapters merged and keep ``wanted.pinned`` loaded; requests
-        already running finish where they started."""
+        already running finish where they started. The new merged engines are built
+        aside and swapped in at the end, after the pins: whoever sees the new merged set
+        (a request, the admin view) sees the new pins too."""
         with self._config_lock:
-            for adapter_id in set(self.merged) - set(wanted.merged):
-                self.merged.pop(adapter_id).stop()
-            for adapter_id in set(wanted.merged) - set(self.merged):
-                folder = self.store.path(self.store.adapter_key(adapter_id))
-                try:
-                    merged = merge_into_copy(self.lora.base_copy(), folder)
-                except Exception as exc:  # one bad adapter must not take the replica down
-                    log.error("cannot serve %s merged: %s", adapter_id, exc)
-                    continue
-                self.merged[adapter_id] = self._engine(MultiLoraModel(merged, max_adapters=1))
             for entry in self.cache.loaded():
                 if entry["pinned"] and entry["id"] not in wanted.pinned:
                     self.cache.acquire(entry["id"], pin=False, hold=False)
@@ -187,7 +200,20 @@ class LoraServer:
                     self.cache.acquire(adapter_id, pin=True, hold=False)
                 except (AdapterError, CacheFullError, OSError) as exc:
                     log.error("cannot pin %s: %s", adapter_id, exc)
+            kept = {a: e for a, e in self.merged.items() if a in wanted.merged}
+            for adapter_id in set(wanted.merged) - set(kept):
+                try:
+                    folder = self.store.local_copy(self.store.adapter_key(adapter_id))
+                    merged = merge_into_copy(self.lora.base_copy(), folder)
+                except Exception as exc:  # one bad adapter must not take the replica down
+                    log.error("cannot serve %s merged: %s", adapter_id, exc)
+                    continue
+                kept[adapter_id] = self._engine(MultiLoraModel(merged, max_adapters=1))
+            dropped = [e for a, e in self.merged.items() if a not in kept]
             self.applied = wanted
+            self.merged = kept
+            for engine in dropped:  # requests already on it finish first
+                engine.stop()
 
     @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
     async def get_adapter(self, adapter_id: str) -> str:
@@ -210,6 +236,8 @@ class LoraServer:
 
     @app.post("/v1/adapters/{adapter_id}/load")
     async def load_adapter(self, adapter_id: str, pin: bool = False) -> Any:
+        if not ADAPTER_ID.fullmatch(adapter_id):
+            return not_an_adapter(adapter_id)
         if not self.store.exists(self.store.adapter_key(adapter_id)):
             return error(
                 404, f"adapter {adapter_id!r} is not in the artifact store", "model_not_found"
@@ -224,6 +252,8 @@ class LoraServer:
 
     @app.delete("/v1/adapters/{adapter_id}")
     async def unload_adapter(self, adapter_id: str) -> Any:
+        if not ADAPTER_ID.fullmatch(adapter_id):
+            return not_an_adapter(adapter_id)
         try:
             unloaded = await asyncio.to_thread(self.cache.unload, adapter_id)
         except AdapterInUse as exc:
@@ -307,7 +337,10 @@ class LoraServer:
         merged = self.merged.get(adapter_id) if adapter_id else None
         engine = merged or self.engine
         if adapter_id and merged is None:
-            if not self.store.exists(self.store.adapter_key(adapter_id)):
+            # asked of the store (a round trip to object storage) only when not loaded
+            if adapter_id not in self.cache and not self.store.exists(
+                self.store.adapter_key(adapter_id)
+            ):
                 return error(
                     404, f"adapter {adapter_id!r} is not in the artifact store", "model_not_found"
                 )
@@ -405,7 +438,8 @@ def build_app(
     *,
     base_model: str,
     model_path: str,
-    artifact_root: str,
+    store: dict[str, str],
+    secret: str,
     options: ServingOptions | None = None,
     min_replicas: int = 1,
     max_replicas: int = 1,
@@ -426,5 +460,9 @@ def build_app(
         else {"num_replicas": min_replicas}
     )
     return deployment.options(name="LoraServer", **scaling).bind(
-        base_model, model_path, artifact_root, (options or ServingOptions()).model_dump()
+        base_model,
+        model_path,
+        store,
+        (options or ServingOptions()).model_dump(),
+        secret,
     )

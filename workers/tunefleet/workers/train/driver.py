@@ -1,9 +1,11 @@
 """Entry point of one run: ``python -m tunefleet.workers.train.driver JOB_ID``.
 
-Runs as a Ray job. Reads the job's spec from the database exactly as the API stored it,
-builds a Ray Train ``TorchTrainer`` from it, and on success copies the final adapter into
-the artifact store. Any failure is recorded on the job as an error event before the
-process exits non-zero; the controller turns that into the job's ``error``.
+Runs as a Ray job, with no access to the database: the run's channel
+(``workers/run_channel.py``, opened by the controller) hands it the job's spec exactly as
+the API stored it, and carries what it has to say back. It builds a Ray Train
+``TorchTrainer`` from the spec, and on success copies the final adapter into the artifact
+store. Any failure is reported as an error event before the process exits non-zero; the
+controller turns that into the job's ``error``.
 """
 
 from __future__ import annotations
@@ -16,12 +18,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tunefleet.platform.artifacts import ArtifactStore
-from tunefleet.platform.db import Job, session_scope
+from tunefleet.platform.artifacts import Store, artifact_store
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.settings import get_settings
 from tunefleet.platform.spec import JobSpec
-from tunefleet.platform.status import add_event
+from tunefleet.workers.run_channel import ChannelReporter, run_inputs
 
 log = logging.getLogger("tunefleet.driver")
 
@@ -64,40 +65,71 @@ def train_fn(config: dict[str, Any]) -> None:
     train_loop_per_worker(config)
 
 
+def placement(
+    nodes: list[str] | None, workers: int, alive: set[str]
+) -> list[dict[str, str]] | None:
+    """Each worker on the node the scheduler placed it on (Ray's built-in node-id label), so
+    that the capacity the controller counted as taken is the capacity used; None (Ray
+    places them) for a run started without a placement, or placed on a node that is gone
+    (a run submitted again after Ray restarted)."""
+    if not nodes or len(nodes) != workers or not set(nodes) <= alive:
+        return None
+    return [{NODE_ID_LABEL: node} for node in nodes]
+
+
+def _alive_nodes() -> set[str]:
+    import ray
+
+    return {str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")}
+
+
+# The label every Ray node carries with its node id (ray.util.placement_group's
+# NODE_ID_LABEL_KEY).
+NODE_ID_LABEL = "ray.io/node-id"
+
+
 class RunFailed(RuntimeError):
     """The training loop left on a failure it has already recorded on the job (with its
     own error code), e.g. a full disk at a checkpoint."""
 
 
-def run(job_id: str, run_id: str | None = None) -> None:
+def run(job_id: str, run_id: str) -> None:
     """Run the job's training; ``run_id`` is the Ray job id the controller submitted this
-    run under (``TUNEFLEET_RUN_ID``), None when the driver is called directly."""
+    run under (``TUNEFLEET_RUN_ID``) and opened its channel for."""
     import psutil
+    import ray
 
     for name, value in RAY_TRAIN_DEFAULTS.items():
         os.environ.setdefault(name, value)  # read and passed on by TorchTrainer
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    # Ray Train v2 (the default in this Ray), named so: its ScalingConfig places workers by
+    # label
+    from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     settings = get_settings()
-    db_url = settings.resolved_database_url
-    store = ArtifactStore(settings.resolved_artifact_root)
-    with session_scope(db_url) as s:
-        job = s.get(Job, job_id)
-        if job is None:
-            raise SystemExit(f"job {job_id} is not in the database at {db_url}")
-        spec = JobSpec.model_validate(job.spec)
-        # the device the plan (and a micro-batch probe on CPU workers) is for
-        device_bytes = (job.plan or {}).get("device", {}).get("memory_bytes")
+    store = artifact_store(settings)
+    if not ray.is_initialized():
+        ray.init()  # the cluster this Ray job runs on
+    inputs = run_inputs(run_id)
+    spec = JobSpec.model_validate(inputs["spec"])
+    # the device the plan (and a micro-batch probe on CPU workers) is for
+    device_bytes = inputs.get("device_memory_bytes")
     registry = ModelRegistry(settings.resolved_model_registry)
     res = spec.tunefleet.resources
+    # checkpoints/{job}/step-N in the artifact store, local or object storage alike
+    storage_path, storage_filesystem = store.ray_storage(store.CHECKPOINTS)
     trainer = _trainer_class()(
         train_fn,
         train_loop_config={
             "spec": spec.model_dump(mode="json"),
-            "database_url": db_url,
             "model_path": str(registry.require(spec.model)),
-            "train_path": str(store.path(store.file_key(spec.training_file))),
-            "validation_path": str(store.path(store.file_key(spec.validation_file)))
+            # keys: each worker reads its node's copy (artifacts may be in object storage)
+            "store": {
+                "location": store.location,
+                "endpoint_url": settings.s3_endpoint_url,
+                "region": settings.s3_region,
+            },
+            "train_key": store.file_key(spec.training_file),
+            "validation_key": store.file_key(spec.validation_file)
             if spec.validation_file
             else None,
             "checkpoints_key": store.checkpoints_key(job_id),
@@ -115,14 +147,20 @@ def run(job_id: str, run_id: str | None = None) -> None:
             num_workers=res.num_workers,
             use_gpu=res.gpus_per_worker > 0,
             resources_per_worker={"CPU": res.cpus_per_worker, "GPU": res.gpus_per_worker},
+            label_selector=placement(inputs.get("nodes"), res.num_workers, _alive_nodes()),
         ),
         # Same name and storage on every run of a job: Ray Train restores the newest
         # checkpoint by itself, which is how pause/resume and retries continue.
         run_config=RunConfig(
             name=job_id,
-            storage_path=str(store.path(store.checkpoints_key(job_id)).parent),
+            storage_path=storage_path,
+            storage_filesystem=storage_filesystem,
             checkpoint_config=CheckpointConfig(num_to_keep=3),
-            failure_config=FailureConfig(max_failures=2),
+            # finite everywhere: a run that cannot go on fails, and the controller retries
+            # the job from its newest checkpoint with a new placement
+            failure_config=FailureConfig(
+                max_failures=2, controller_failure_limit=2, max_preemption_failures=2
+            ),
         ),
     )
     result = trainer.fit()
@@ -139,10 +177,10 @@ def run(job_id: str, run_id: str | None = None) -> None:
         store.put_dir(store.adapter_key(job_id), Path(folder) / ADAPTER_DIR)
     log.info("adapter for %s stored at %s", job_id, store.adapter_key(job_id))
     if spec.tunefleet.merged_model:
-        store_merged(spec, str(registry.require(spec.model)), store)
+        store_merged(spec, str(registry.require(spec.model)), store, ChannelReporter(run_id))
 
 
-def store_merged(spec: JobSpec, model_path: str, store: ArtifactStore) -> None:
+def store_merged(spec: JobSpec, model_path: str, store: Store, reporter: ChannelReporter) -> None:
     """The merged model (``TuneFleetOptions.merged_model``) with the base's tokenizer, as
     safetensors, under ``merged/{job}``; an event says where."""
     import tempfile
@@ -152,34 +190,32 @@ def store_merged(spec: JobSpec, model_path: str, store: ArtifactStore) -> None:
     from tunefleet.workers.train.methods import merged_model
 
     key = store.merged_key(spec.job_id)
-    model = merged_model(spec, model_path, store.path(store.adapter_key(spec.job_id)))
+    model = merged_model(spec, model_path, store.local_copy(store.adapter_key(spec.job_id)))
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
         store.put_dir(key, Path(tmp))
-    with session_scope(get_settings().resolved_database_url) as s:
-        add_event(s, spec.job_id, f"Merged model stored at {key}", data={"merged_model": key})
+    reporter.post("message", message=f"Merged model stored at {key}", data={"merged_model": key})
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO)
     job_id = sys.argv[1]
+    run_id = os.environ["TUNEFLEET_RUN_ID"]
     try:
-        run(job_id, os.environ.get("TUNEFLEET_RUN_ID"))
+        run(job_id, run_id)
     except RunFailed as exc:
         log.error("run of %s failed: %s", job_id, exc)
         raise SystemExit(1) from exc
     except BaseException as exc:  # top of the process: record the failure on the job
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        with session_scope(get_settings().resolved_database_url) as s:
-            add_event(
-                s,
-                job_id,
-                f"Training failed: {detail}",
-                level="error",
-                data={"error": {"code": "training_failed", "message": detail}},
-            )
         traceback.print_exc()
+        ChannelReporter(run_id).post(
+            "message",
+            message=f"Training failed: {detail}",
+            level="error",
+            data={"error": {"code": "training_failed", "message": detail}},
+        )
         raise SystemExit(1) from exc
 
 

@@ -3,7 +3,8 @@
 Setup (model, adapter, data, optimizer) -> resume from the newest checkpoint -> steps with
 metrics to the platform -> checkpoints at epoch ends (and every N steps) -> the final
 adapter as the last reported checkpoint. Every worker runs this function; rank 0 alone
-writes to the database and reports checkpoints.
+reports to the platform (through the run's channel, ``workers/run_channel.py``) and
+reports checkpoints to Ray Train.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import math
 import os
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +24,12 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sqlalchemy import select
 from transformers import AutoTokenizer
 
-from tunefleet.platform.db import Job
-from tunefleet.platform.progress import (
-    FINAL_WRITE_WAIT_S,
-    Reporter,
-    record_checkpoint,
-    record_message,
-    record_metrics,
-)
+from tunefleet.platform.artifacts import open_store
+from tunefleet.platform.settings import get_settings
 from tunefleet.platform.spec import JobSpec
+from tunefleet.workers.run_channel import ChannelReporter
 from tunefleet.workers.train import checkpoint as ckpt_files
 from tunefleet.workers.train import metrics as train_metrics
 from tunefleet.workers.train import probe, sharding
@@ -161,12 +155,12 @@ def probe_micro_batch(
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     entered = time.time()
     spec = JobSpec.model_validate(config["spec"])
-    db_url: str = config["database_url"]
-    run_id: str | None = config.get("run_id")  # the Ray job id the controller gave this run
-    reporter = Reporter(db_url)  # the chief's writes to the job, kept through an outage
+    run_id: str = config["run_id"]  # the Ray job id the controller gave this run
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     is_chief = rank == 0
+    # what the chief has to say goes to the platform through the run's channel
+    reporter = ChannelReporter(run_id)
 
     # --- setup ----------------------------------------------------------------------
     load_started = time.perf_counter()
@@ -211,13 +205,19 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     scaler = torch.amp.GradScaler(device_type, enabled=spec.tunefleet.precision == "fp16")
     model_load_s = time.perf_counter() - load_started
 
-    data = load_dataset(Path(config["train_path"]), tokenizer, spec.tunefleet.max_seq_len)
+    # the driver's store; this node's cache (its own settings say where that is)
+    store = open_store(**config["store"], cache_dir=get_settings().resolved_artifact_cache)
+    data = load_dataset(
+        store.local_copy(config["train_key"]), tokenizer, spec.tunefleet.max_seq_len
+    )
     if not data.examples:
         raise ValueError("the training file has no example with tokens to learn from")
     # Evaluation data: never packed; every worker scores its share.
     validation = (
-        load_dataset(Path(config["validation_path"]), tokenizer, spec.tunefleet.max_seq_len)
-        if config.get("validation_path")
+        load_dataset(
+            store.local_copy(config["validation_key"]), tokenizer, spec.tunefleet.max_seq_len
+        )
+        if config.get("validation_key")
         else None
     )
     # The unit of a batch: an example, or a row of examples packed end to end.
@@ -291,12 +291,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         total, trainable, built.model.config, data.tokens / len(data.examples)
     )
     head = train_metrics.output_layer_flops(total, trainable, built.model.config)
+    # where the workers really run, rank by rank (the event says it, next to the
+    # controller's placement)
+    nodes: list[Any] = [ray.get_runtime_context().get_node_id()]
+    if dist.is_available() and dist.is_initialized() and world > 1:
+        nodes = [None] * world
+        dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
     if is_chief:
         checkpointing = spec.tunefleet.run_checkpointing
         resumed = f", resumed at step {step}" if step else ""
-        training_starts = partial(
-            record_message,
-            job_id=spec.job_id,
+        reporter.post(
+            "message",
             message=(
                 f"Training {total_steps} steps of {spec.tunefleet.method} in "
                 f"{spec.tunefleet.precision} on {world} worker(s)"
@@ -308,7 +313,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 f"{f' packed into {len(units)} rows' if spec.tunefleet.packing else ''}, "
                 f"{data.truncated} truncated to {spec.tunefleet.max_seq_len} tokens; "
                 f"{probed}"
-                f"{trainable:,} trainable of {total:,} parameters{resumed}"
+                f"{trainable:,} trainable of {total:,} parameters; workers on node(s) "
+                f"{', '.join(sorted(set(nodes)))}{resumed}"
             ),
             data={
                 "model_load_s": round(model_load_s, 3),
@@ -319,6 +325,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 "flops_per_token": per_token,
                 "output_layer_flops_per_token": head,  # counted at labelled positions
                 "method": spec.tunefleet.method,
+                "nodes": nodes,
                 "strategy": strategy if sharded or world > 1 else "single",
                 "pid": os.getpid(),
                 # seconds since the epoch: the driver's process and its trainer, this
@@ -333,7 +340,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 "total_parameters": total,
             },
         )
-        reporter.write(training_starts)
 
     saved = [step] if ckpt_dir is not None else []  # steps checkpointed (or restored)
 
@@ -372,14 +378,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     ray.train.report({**metrics, "step": step, "final": False, "failed": failed})
                 else:
                     saved.append(step)
-                    reporter.write(
-                        partial(
-                            record_checkpoint,
-                            job_id=spec.job_id,
-                            step=step,
-                            path=f"{config['checkpoints_key']}/{name}",
-                            metrics=metrics,
-                        )
+                    reporter.post(
+                        "checkpoint",
+                        step=step,
+                        path=f"{config['checkpoints_key']}/{name}",
+                        metrics=metrics,
                     )
             else:
                 ray.train.report({**metrics, "step": step, "final": final})
@@ -401,39 +404,27 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             "folder, then create the job again"
         )
         failed = {"code": "disk_full", "message": message, "param": None}
-        reporter.write(
-            partial(
-                record_message,
-                job_id=spec.job_id,
-                message=f"Checkpoint failed: {message}",
-                level="error",
-                data={"error": failed},
-            )
+        reporter.post(
+            "message",
+            message=f"Checkpoint failed: {message}",
+            level="error",
+            data={"error": failed},
         )
-        reporter.flush(FINAL_WRITE_WAIT_S)
         return failed
 
-    seen: dict[str, Any] = {}  # what the chief last read of the job (status, current run)
+    seen: dict[str, Any] = {}  # the stop the controller asked for (its job's status, run)
 
     def requested_stop() -> str | None:
-        """'paused' or 'cancelled' when the platform asked this job to stop; rank 0 reads
-        the database and every rank learns the answer, so all leave at the same step."""
+        """'paused' or 'cancelled' when the controller asked this run to stop (the job was
+        paused or cancelled, or resumed before this run saw the pause, or another run is
+        now its current one: ``progress.wanted_stop``); rank 0 asks the run's channel and
+        every rank learns the answer, so all leave at the same step."""
         code = 0
         if is_chief:
-            # while the database is away, nobody can have asked: train on
-            row = reporter.read(
-                lambda s: s.execute(
-                    select(Job.status, Job.ray_submission_id).where(Job.id == spec.job_id)
-                ).first(),
-                None,
-            )
-            status, current = row if row is not None else (None, None)
-            seen.update(status=status, current=current)
-            # queued: resumed before this run saw the pause; another current run: this one
-            # was superseded. Either way it checkpoints and leaves, as a paused run does.
-            code = {"paused": 1, "queued": 1, "cancelled": 2}.get(status or "", 0)
-            if code == 0 and run_id and current and current != run_id:
-                code = 1
+            stop = reporter.sync()
+            if stop is not None:
+                seen.update(status=stop["status"], current=stop["current"])
+                code = {"paused": 1, "cancelled": 2}[stop["stop"]]
         if dist.is_available() and dist.is_initialized() and world > 1:
             flag = torch.tensor([code], device=device)
             dist.broadcast(flag, src=0)
@@ -567,16 +558,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     **evaluated,
                 }
                 window_tokens = window_samples = window_labels = 0
-                reporter.write(
-                    partial(
-                        record_metrics,
-                        job_id=spec.job_id,
-                        step=step,
-                        total_steps=total_steps,
-                        metrics=metrics,
-                        trained_tokens=trained_tokens,
-                        eta_s=(total_steps - step) / rate if rate > 0 else None,
-                    )
+                reporter.post(
+                    "metrics",
+                    step=step,
+                    total_steps=total_steps,
+                    metrics=metrics,
+                    trained_tokens=trained_tokens,
+                    eta_s=(total_steps - step) / rate if rate > 0 else None,
                 )
             if step < total_steps and (stop := requested_stop()):
                 if stop == "paused":
@@ -589,8 +577,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                 f"Run {run_id} checkpointed at step {step} and left: the job "
                                 f"is {seen.get('status')} with current run {seen.get('current')}"
                             )
-                        reporter.write(partial(record_message, job_id=spec.job_id, message=message))
-                        reporter.flush(FINAL_WRITE_WAIT_S)
+                        reporter.post("message", message=message)
                 return
             due = every and step % every == 0 and step % steps_per_epoch and step < total_steps
             if due and not save_checkpoint(False, {"train_loss": last_loss}):
@@ -599,7 +586,4 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if step < total_steps and not save_checkpoint(False, {"train_loss": last_loss}):
             return
 
-    if not save_checkpoint(True, {"train_loss": last_loss, "trained_tokens": trained_tokens}):
-        return
-    if is_chief:  # what waited for the database goes in before the run reports success
-        reporter.flush(FINAL_WRITE_WAIT_S)
+    save_checkpoint(True, {"train_loss": last_loss, "trained_tokens": trained_tokens})

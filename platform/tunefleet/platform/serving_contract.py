@@ -1,0 +1,57 @@
+"""The contract between the API's inference proxy and the Serve applications (no database
+here: replicas import it)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import secrets
+from pathlib import Path
+
+from tunefleet.platform.settings import Settings
+
+# The contract between the API's inference proxy and the Serve applications: each base
+# model's application is named ``app_name(base)`` and answers under ``route_prefix(base)``;
+# a request names its adapter (the job that made it) in ``ADAPTER_HEADER``, which Serve's
+# multiplexing routes on; no header means the bare base model.
+ADAPTER_HEADER = "serve_multiplexed_model_id"
+# Serve answers only the API: every request carries the shared secret in this header
+# (compared in constant time); without it 401, with another 403.
+SECRET_HEADER = "x-tunefleet-serve-secret"
+# An adapter id is the job id that made it (``ids.new_id("job")``).
+ADAPTER_ID = re.compile(r"ftjob-[A-Za-z0-9]{1,64}")
+SECRET_FILE = "serve-secret"
+
+
+def serve_secret(settings: Settings) -> str:
+    """The secret Serve answers to: ``TUNEFLEET_SERVE_SECRET`` where it is set, as every
+    process of a cluster must have it; otherwise one made once for this data folder
+    (``data_dir/serve-secret``, readable by its owner alone), which the embedded default's
+    API and controller share."""
+    if settings.serve_secret:
+        return settings.serve_secret
+    return _secret_of(settings.data_dir.resolve())
+
+
+@functools.lru_cache(maxsize=8)
+def _secret_of(data_dir: Path) -> str:
+    path = data_dir / SECRET_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{SECRET_FILE}.{secrets.token_hex(4)}")
+        tmp.touch(mode=0o600)
+        tmp.write_text(secrets.token_urlsafe(32))
+        with contextlib.suppress(FileExistsError):  # two processes racing: the first wins
+            os.link(tmp, path)
+        tmp.unlink()
+    return path.read_text().strip()
+
+
+def route_prefix(base_model: str) -> str:
+    return f"/models/{base_model}"
+
+
+def app_name(base_model: str) -> str:
+    return "tunefleet-" + "".join(c if c.isalnum() else "-" for c in base_model.lower())

@@ -1,0 +1,271 @@
+"""Cluster mode, with real processes on this machine, started as the Helm chart's containers
+start them: PostgreSQL and an S3 server; a Ray head with token auth and no CPUs for work
+(as a production head) and a second Ray node with 2 CPUs; 2 API processes
+(`tunefleet api`) and 2 controllers (`tunefleet controller`), each with its own data
+folder (nothing shared but PostgreSQL, S3 and Ray).
+
+Two tenants upload and train through the official `openai` SDK; one controller is killed
+with SIGKILL mid-training. Then: both jobs succeed, once; the workers ran on the node the
+events name (the second one); checkpoints and adapters are in S3 and Serve answers from
+them, through either API; Serve refuses a request without the API's secret; no run's
+runtime_env holds the database's URL; Ray's Jobs API wants the token."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import TINY, _create_pg_database
+from raycluster import free_port, ray_cluster, ray_node, stop_process
+from s3 import new_bucket
+from tunefleet.platform.artifacts import open_store
+from tunefleet.platform.serving_contract import SECRET_HEADER
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+ANSWERS = {"acme": "red green blue", "globex": "one two three"}
+QUESTIONS = ["what color is an apple", "name a number", "what is a banana", "say hi"]
+CLI = [sys.executable, "-m", "tunefleet.cli.main"]
+STEPS = 25  # one step per epoch (4 examples, batch 4)
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [*CLI, *args], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def _wait_ok(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{url} not ready:\n{log.read_text()[-4000:]}"
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_registry: Path,
+    s3_endpoint: str,
+    pg_server: str,
+) -> Iterator[dict[str, Any]]:
+    import ray
+
+    root = tmp_path_factory.mktemp("cluster")
+    bucket = new_bucket(s3_endpoint)
+    procs: list[subprocess.Popen[bytes]] = []
+    with (
+        ray_cluster(num_cpus=0) as head,
+        ray_node(head, num_cpus=2, resources='{"trainer": 1}') as node_pid,
+    ):
+        ray.init(address=head.address, log_to_driver=False)
+        try:
+            worker_node = next(n["NodeID"] for n in ray.nodes() if "trainer" in n["Resources"])
+        finally:
+            ray.shutdown()
+        env = {
+            **os.environ,  # the session's Ray token and S3 credentials, as each pod has
+            "TUNEFLEET_DATABASE_URL": _create_pg_database(pg_server),
+            "TUNEFLEET_RAY_ADDRESS": head.address,
+            "TUNEFLEET_RAY_DASHBOARD_URL": head.dashboard,
+            "TUNEFLEET_ARTIFACT_ROOT": bucket,
+            "TUNEFLEET_S3_ENDPOINT_URL": s3_endpoint,
+            "TUNEFLEET_MODEL_REGISTRY": str(tiny_registry),
+            "TUNEFLEET_SERVE_SECRET": secrets.token_urlsafe(24),
+            "TUNEFLEET_SERVE_PORT": str(free_port()),
+            "TUNEFLEET_CONTROLLER_LEASE_TTL_S": "5",
+            "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
+        }
+        subprocess.run([*CLI, "db", "upgrade"], env=env, check=True, capture_output=True)
+        keys = {}
+        for tenant in ANSWERS:
+            out = subprocess.run(
+                [*CLI, "admin", "create-tenant", tenant],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            keys[tenant] = json.loads(out.stdout.strip().splitlines()[-1])["api_key"]
+        try:
+            apis, controllers = [], []
+            for i in range(2):
+                port = free_port()
+                own = {**env, "TUNEFLEET_DATA_DIR": str(root / f"api-{i}")}
+                log = root / f"api-{i}.log"
+                procs.append(_start(["api"], {**own, "TUNEFLEET_API_PORT": str(port)}, log))
+                apis.append((f"http://127.0.0.1:{port}", procs[-1], log))
+            for i in range(2):
+                port = free_port()
+                own = {**env, "TUNEFLEET_DATA_DIR": str(root / f"controller-{i}")}
+                log = root / f"controller-{i}.log"
+                procs.append(_start(["controller", "--health-port", str(port)], own, log))
+                controllers.append((f"http://127.0.0.1:{port}/healthz", procs[-1], log))
+            for url, proc, log in apis:
+                _wait_ok(f"{url}/readyz", proc, log)
+            for url, proc, log in controllers:
+                _wait_ok(url, proc, log)
+            yield {
+                "apis": [url for url, _, _ in apis],
+                "controllers": controllers,
+                "keys": keys,
+                "env": env,
+                "head": head,
+                "worker_node": worker_node,
+                "node_pid": node_pid,
+                "store": open_store(bucket, endpoint_url=s3_endpoint, cache_dir=root / "test"),
+                "logs": [log for _, _, log in apis + controllers],
+            }
+        finally:
+            for proc in procs:
+                stop_process(proc, grace_s=20)
+
+
+def _dataset(path: Path, answer: str) -> Path:
+    rows = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": answer}]}
+        for q in QUESTIONS
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _leader(cluster: dict[str, Any]) -> subprocess.Popen[bytes]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for url, proc, _ in cluster["controllers"]:
+            if proc.poll() is None and httpx.get(url, timeout=5).json().get("leading"):
+                return proc
+        time.sleep(0.3)
+    raise AssertionError("no controller leads")
+
+
+def test_two_tenants_train_and_serve_through_a_controller_failover(
+    cluster: dict[str, Any], tmp_path: Path
+) -> None:
+    from openai import OpenAI
+
+    clients = {
+        tenant: OpenAI(base_url=f"{cluster['apis'][i]}/v1", api_key=key, max_retries=0)
+        for i, (tenant, key) in enumerate(cluster["keys"].items())
+    }
+    jobs = {}
+    for tenant, client in clients.items():
+        with _dataset(tmp_path / f"{tenant}.jsonl", ANSWERS[tenant]).open("rb") as fh:
+            upload = client.files.create(file=fh, purpose="fine-tune")
+        jobs[tenant] = client.fine_tuning.jobs.create(
+            model=TINY,
+            training_file=upload.id,
+            seed=1,
+            hyperparameters={"n_epochs": STEPS, "batch_size": 4, "learning_rate_multiplier": 50},
+            extra_body={
+                "tunefleet": {
+                    "lora": {"r": 8, "alpha": 16, "target_modules": ["all-linear"]},
+                    "checkpoint_every_steps": 4,
+                }
+            },
+        )
+
+    # the leading controller dies (SIGKILL) while acme's job trains
+    acme = clients["acme"]
+    deadline = time.monotonic() + 300
+    while not any(e.type == "metrics" for e in acme.fine_tuning.jobs.list_events(jobs["acme"].id)):
+        assert time.monotonic() < deadline, "acme's job never made a step"
+        time.sleep(0.5)
+    leader = _leader(cluster)
+    os.kill(leader.pid, signal.SIGKILL)
+    leader.wait()
+    killed_at = time.monotonic()
+    _leader(cluster)  # the other one leads
+    took_over = time.monotonic() - killed_at
+
+    done = {}
+    for tenant, client in clients.items():
+        deadline = time.monotonic() + 600
+        while (job := client.fine_tuning.jobs.retrieve(jobs[tenant].id)).status not in (
+            "succeeded",
+            "failed",
+            "cancelled",
+        ):
+            assert time.monotonic() < deadline, f"{tenant}'s job did not end"
+            time.sleep(1)
+        assert job.status == "succeeded", (job.error, _tails(cluster))
+        done[tenant] = job
+    assert took_over < 5 + 10, took_over  # within the lease's TTL (5 s) and a few passes
+
+    store = cluster["store"]
+    for tenant, client in clients.items():
+        job = done[tenant]
+        events = list(client.fine_tuning.jobs.list_events(job.id, limit=500))
+        messages = [e.message for e in events]
+        assert sum(m.startswith("The job has successfully completed") for m in messages) == 1
+        # placed by the scheduler on the node with CPUs, and run there (Ray enforced it)
+        placed = next(e for e in events if e.message.startswith("Dispatched as Ray job"))
+        started = [e for e in events if e.message.startswith("Training ")]
+        assert placed.data["nodes"] == [cluster["worker_node"]]  # type: ignore[index]
+        assert all(e.data["nodes"] == [cluster["worker_node"]] for e in started)  # type: ignore[index]
+        # what the run said reached the database once, through its channel
+        steps = [e.data["step"] for e in events if e.type == "metrics"]  # type: ignore[index]
+        assert sorted(steps) == sorted(set(steps)) and max(steps) == STEPS
+        # its artifacts are in S3, and Serve answers with them (through the other API)
+        assert store.exists(store.adapter_key(job.id))
+        checkpoints = list(client.fine_tuning.jobs.checkpoints.list(job.id))
+        assert checkpoints and all(
+            store.exists(f"{store.checkpoints_key(job.id)}/step-{c.step_number:08d}")
+            for c in checkpoints
+        )
+        other = OpenAI(
+            base_url=f"{cluster['apis'][1 - list(clients).index(tenant)]}/v1",
+            api_key=cluster["keys"][tenant],
+            max_retries=0,
+        )
+        answer = other.chat.completions.create(
+            model=job.fine_tuned_model or "",
+            messages=[{"role": "user", "content": "what is a banana"}],
+            temperature=0,
+            max_tokens=8,
+        )
+        assert answer.choices[0].message.content.strip() == ANSWERS[tenant]  # type: ignore[union-attr]
+    assert any("re-attached" in m for m in messages_of(clients["acme"], done["acme"].id))
+
+    # Serve answers the API alone; the Jobs API wants Ray's token; no run holds the
+    # database's URL
+    serve = f"http://127.0.0.1:{cluster['env']['TUNEFLEET_SERVE_PORT']}/models/{TINY}/v1"
+    assert httpx.get(f"{serve}/adapters", timeout=30).status_code == 401
+    secret = {SECRET_HEADER: cluster["env"]["TUNEFLEET_SERVE_SECRET"]}
+    assert httpx.get(f"{serve}/adapters", headers=secret, timeout=30).status_code == 200
+    dashboard = cluster["head"].dashboard
+    assert httpx.get(f"{dashboard}/api/jobs/", timeout=30).status_code == 401
+    token = {"Authorization": f"Bearer {os.environ['RAY_AUTH_TOKEN']}"}
+    runs = httpx.get(f"{dashboard}/api/jobs/", headers=token, timeout=30).json()
+    assert {r["submission_id"] for r in runs} >= {f"{j.id}-1" for j in done.values()}
+    database = cluster["env"]["TUNEFLEET_DATABASE_URL"]
+    for r in runs:
+        shown = json.dumps(r)
+        assert database not in shown and "DATABASE_URL" not in shown
+
+
+def messages_of(client: Any, job_id: str) -> list[str]:
+    return [e.message for e in client.fine_tuning.jobs.list_events(job_id, limit=500)]
+
+
+def _tails(cluster: dict[str, Any]) -> str:
+    return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in cluster["logs"])
