@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -187,6 +188,10 @@ def cold_loads_by_store(model_path: Path, folder: Path, n: int) -> dict[str, lis
     from tunefleet.platform.artifacts import open_store
 
     times: dict[str, list[float]] = {"local": [], "s3": []}
+    # the local server takes any credentials; a replica has its node's AWS_* variables
+    for name, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     with s3_server() as endpoint, tempfile.TemporaryDirectory() as cache_dir:
         s3 = open_store(new_bucket(endpoint), endpoint_url=endpoint, cache_dir=Path(cache_dir))
         for i in range(n):
