@@ -216,6 +216,24 @@ def cold_loads_by_store(model_path: Path, folder: Path, n: int) -> dict[str, lis
     return times
 
 
+def write_cold_loads(loads: list[float], by_store: dict[str, list[float]]) -> None:
+    local, s3 = statistics.median(by_store["local"]), statistics.median(by_store["s3"])
+    result = {
+        "model": BUILTIN_MODEL,
+        "machine": machine.describe(),
+        "rank": 16,
+        "adapters": len(by_store["s3"]),
+        "cold_load_median_ms": round(statistics.median(loads) * 1000, 3),
+        "cold_load_wall_local_median_ms": round(local * 1000, 3),
+        "cold_load_wall_s3_median_ms": round(s3 * 1000, 3),
+        "cold_load_s3_vs_local": round(s3 / local, 3),
+        "targets_met": {"cold load from S3 at most 2x local": s3 / local <= 2},
+    }
+    out = ROOT / "bench" / "results" / "serve_multilora_cold_load.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=128)
@@ -224,6 +242,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--sample", type=int, default=16, help="requests timed for (a)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--cold-load-only",
+        action="store_true",
+        help="only the cold loads (local store and S3): serve_multilora_cold_load.json",
+    )
     args = parser.parse_args()
     if args.quick:
         args.requests, args.new_tokens, args.adapters, args.repeats = 16, 4, "1,4,16", 1
@@ -252,6 +275,9 @@ def main() -> None:
         del base
         loads = cold_loads(model_path, folder, min(max(counts), 64))
         by_store = cold_loads_by_store(model_path, folder, min(max(counts), 64))
+        if args.cold_load_only:
+            write_cold_loads(loads, by_store)
+            return
         merged = 0.0
         for rep in range(args.repeats):
             merged = max(

@@ -111,7 +111,9 @@ def cluster(
                 port = free_port()
                 own = {**env, "TUNEFLEET_DATA_DIR": str(root / f"api-{i}")}
                 log = root / f"api-{i}.log"
-                procs.append(_start(["api"], {**own, "TUNEFLEET_API_PORT": str(port)}, log))
+                # the second with two worker processes (one /metrics for both)
+                command = ["api", "--workers", "2"] if i else ["api"]
+                procs.append(_start(command, {**own, "TUNEFLEET_API_PORT": str(port)}, log))
                 apis.append((f"http://127.0.0.1:{port}", procs[-1], log))
             for i in range(2):
                 port = free_port()
@@ -261,6 +263,16 @@ def test_two_tenants_train_and_serve_through_a_controller_failover(
     for r in runs:
         shown = json.dumps(r)
         assert database not in shown and "DATABASE_URL" not in shown
+
+    # Prometheus: the API's requests (both worker processes of the second one), jobs by
+    # status, and the surviving controller's passes
+    scraped = httpx.get(f"{cluster['apis'][1]}/metrics", timeout=30).text
+    assert 'tunefleet_jobs{status="succeeded"} 2.0' in scraped
+    assert 'route="/v1/chat/completions",status="200"}' in scraped
+    survivor = next(url for url, proc, _ in cluster["controllers"] if proc.poll() is None)
+    scraped = httpx.get(survivor.replace("/healthz", "/metrics"), timeout=30).text
+    assert "tunefleet_controller_pass_seconds_count" in scraped
+    assert "tunefleet_queue_length 0.0" in scraped
 
 
 def messages_of(client: Any, job_id: str) -> list[str]:

@@ -149,7 +149,7 @@ def test_runs_report_through_their_channel_and_learn_to_stop_from_it(
     sid = f"{job_id}-1"
     channel = twin.channels[sid]
     assert channel.inputs()["spec"]["job_id"] == job_id  # the run reads no database
-    assert channel.post([{"kind": "message", "message": "Training 4 steps"}]) is None
+    assert channel.post([{"kind": "message", "message": "Training 4 steps"}]) == (None, 1)
     twin.ack = lambda sid, upto: None  # type: ignore[method-assign]  # a fail-over: unacked
     ctl.tick()
     ctl.tick()
@@ -157,8 +157,9 @@ def test_runs_report_through_their_channel_and_learn_to_stop_from_it(
     with session_scope(url) as s:
         transition(s, job_id, JobStatus.RUNNING, JobStatus.PAUSED, "Paused by the user")
     ctl.tick()
-    stop = channel.post([{"kind": "message", "message": "Paused at step 2"}])
+    stop, _ = channel.post([{"kind": "message", "message": "Paused at step 2"}])
     assert stop == {"stop": "paused", "status": "paused", "current": sid}
+    assert channel.acked() == 1  # what the controller wrote (a run's flush waits for it)
     twin.status[sid] = "STOPPED"  # the run checkpointed and left
     ctl.tick()
     assert sid not in twin.channels

@@ -6,14 +6,16 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy import text
 
 from tunefleet.api.body_limits import BodyLimitMiddleware
 from tunefleet.api.errors import install_error_handlers
+from tunefleet.api.observe import RequestMetrics
 from tunefleet.api.openapi import Health, Readiness, ok, openapi_document
 from tunefleet.api.routes import admin, files, inference, jobs, models, plans
 from tunefleet.platform.db import session_scope
+from tunefleet.platform.metrics import exposition
 from tunefleet.platform.settings import Settings, get_settings
 
 
@@ -27,6 +29,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings or get_settings()
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, settings=app.state.settings)
+    app.add_middleware(RequestMetrics)  # outermost: every answer counted, refusals too
     for module in (files, jobs, models, inference, plans, admin):
         app.include_router(module.router)
 
@@ -34,6 +37,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def healthz() -> dict[str, Any]:
         """Alive (a liveness probe)."""
         return {"status": "ok"}
+
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        responses=ok({"content": {"text/plain": {"schema": {"type": "string"}}}}, "Prometheus"),
+    )
+    def metrics() -> Response:
+        """Prometheus metrics: requests and latencies by route, jobs by status, the queue's
+        length (``tunefleet.platform.metrics``)."""
+        body, content_type = exposition(app.state.settings.resolved_database_url)
+        return Response(body, media_type=content_type)
 
     not_ready: dict[int | str, dict[str, Any]] = {
         503: {"model": Readiness, "description": "Not ready: what is not."}

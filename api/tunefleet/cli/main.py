@@ -59,9 +59,14 @@ def api(
     TUNEFLEET_DATABASE_URL, the artifact store and the Serve proxy at
     TUNEFLEET_SERVE_HOST:PORT (with TUNEFLEET_SERVE_SECRET). Stateless: run as many as
     the load needs. Probes: /healthz (alive), /readyz (database and Ray reachable)."""
+    import os
+    import tempfile
+
     import uvicorn
 
     settings = get_settings()
+    if workers > 1:  # one /metrics for all workers (prometheus_client's multiprocess mode)
+        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="tf-prom-"))
     uvicorn.run(
         "tunefleet.api.app:create_app",
         factory=True,
@@ -104,18 +109,30 @@ def controller(
 
 
 def serve_health(port: int, health: Any) -> None:
-    """GET /healthz on ``port``, in a thread: 200 or 503 with ``health()``'s details."""
+    """GET /healthz (200 or 503 with ``health()``'s details) and /metrics (Prometheus) on
+    ``port``, in a thread."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tunefleet.platform.metrics import exposition
+
+    db_url = get_settings().resolved_database_url
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            healthy, details = health() if self.path == "/healthz" else (False, {})
-            status = 200 if healthy else (503 if self.path == "/healthz" else 404)
-            body = json.dumps({"status": "ok" if healthy else "unhealthy", **details})
+            if self.path == "/metrics":
+                body, content_type = exposition(db_url)
+                status = 200
+            elif self.path == "/healthz":
+                healthy, details = health()
+                status = 200 if healthy else 503
+                body = json.dumps({"status": "ok" if healthy else "unhealthy", **details}).encode()
+                content_type = "application/json"
+            else:
+                status, body, content_type = 404, b"{}", "application/json"
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.end_headers()
-            self.wfile.write(body.encode())
+            self.wfile.write(body)
 
         def log_message(self, *_: Any) -> None:  # probes every few seconds: not logged
             pass

@@ -39,6 +39,7 @@ from tunefleet.platform.db import Adapter, Job, JobEvent, Tenant, now_s, session
 from tunefleet.platform.errors import Conflict
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.lease import Lease, LeaseLost
+from tunefleet.platform.metrics import DISPATCH_WAIT, PASS_SECONDS
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.progress import apply, wanted_stop
 from tunefleet.platform.scheduler import (
@@ -149,7 +150,8 @@ class Controller:
                             log.info("controller leads (term %s)", term)
                             self.serve_existing_adapters()
                             self._reattach(term)
-                        self.tick()
+                        with PASS_SECONDS.time():
+                            self.tick()
                     elif leading:
                         leading = False
                         log.warning("controller lost the lease; standing by")
@@ -440,6 +442,7 @@ class Controller:
 
     @staticmethod
     def _start(s: Session, job: Job, decision: Dispatch) -> str:
+        DISPATCH_WAIT.observe(max(0, now_s() - job.updated_at))  # queued since its last move
         sid = f"{job.id}-{job.attempt + 1}"
         nodes = list(decision.nodes)
         transition(
@@ -481,7 +484,7 @@ class Controller:
             job = s.get(Job, job_id)
             assert job is not None
             inputs = run_inputs(job)
-        env = {  # never a credential: Ray's Jobs API shows a run's environment to anyone
+        env = {  # never a credential: Ray's Jobs API shows it to whoever holds the token
             "TUNEFLEET_ARTIFACT_ROOT": self.store.location,
             "TUNEFLEET_S3_ENDPOINT_URL": self.settings.s3_endpoint_url,
             "TUNEFLEET_S3_REGION": self.settings.s3_region,

@@ -41,19 +41,25 @@ class RunChannel:
         self._id = uuid.uuid4().hex
         self._records: list[dict[str, Any]] = []
         self._seq = 0
+        self._acked = 0
         self._stop: dict[str, Any] | None = None
 
     def inputs(self) -> dict[str, Any]:
         return self._inputs
 
-    def post(self, records: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """Queue the run's records; answer the stop the controller asked for (None: go on)."""
+    def post(self, records: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, int]:
+        """Queue the run's records; answer the stop the controller asked for (None: go on)
+        and the number of the last record queued."""
         for record in records:
             self._seq += 1
             self._records.append(
                 {**record, "seq": self._seq, "channel": self._id, "at": time.time()}
             )
-        return self._stop
+        return self._stop, self._seq
+
+    def acked(self) -> int:
+        """The number of the last record the controller has written."""
+        return self._acked
 
     def take(self) -> list[dict[str, Any]]:
         """The records not yet acknowledged, oldest first."""
@@ -61,6 +67,7 @@ class RunChannel:
 
     def ack(self, upto: int) -> None:
         self._records = [r for r in self._records if r["seq"] > upto]
+        self._acked = max(self._acked, upto)
 
     def ask_stop(self, stop: dict[str, Any] | None) -> None:
         self._stop = stop
@@ -157,11 +164,13 @@ def close_channel(run_id: str) -> None:
 
 
 class ChannelReporter:
-    """The run's end (rank 0): ``post`` records, learn whether to stop."""
+    """The run's end (rank 0): ``post`` records, learn whether to stop, ``flush`` (wait
+    until what it said is in the database)."""
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self.stop: dict[str, Any] | None = None
+        self.last = 0
 
     def post(self, kind: str, **fields: Any) -> None:
         self._send([{"kind": kind, **fields}])
@@ -171,5 +180,16 @@ class ChannelReporter:
         self._send([])
         return self.stop
 
+    def flush(self, wait_s: float) -> bool:
+        """Wait until the controller has written every record posted so far (at most
+        ``wait_s``: the database may be away); whether it has. Before a checkpoint, so that
+        no checkpoint a later run resumes from is newer than the metrics on record."""
+        deadline = time.monotonic() + wait_s
+        while (call(self.run_id, "acked") or 0) < self.last:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
     def _send(self, records: list[dict[str, Any]]) -> None:
-        self.stop = call(self.run_id, "post", records)
+        self.stop, self.last = call(self.run_id, "post", records)

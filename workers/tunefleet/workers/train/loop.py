@@ -43,6 +43,10 @@ from tunefleet.workers.train.data import (
 from tunefleet.workers.train.loss import LabelledLogits, mean_loss
 from tunefleet.workers.train.methods import build_model
 
+# How long the chief waits at a checkpoint for the controller to write its reports (the
+# database may be away a while); then it checkpoints anyway.
+FLUSH_WAIT_S = 600.0
+
 
 def make_optimizer(spec: JobSpec, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW with its fused kernel (one kernel per step for all parameters, on CPUs and
@@ -351,6 +355,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         gathered = sharding.gather_state(model, optimizer) if sharded else None
         rng = ckpt_files.rng_states(device, world)
         full = 0
+        # what was said so far is in the database before a checkpoint a later run could
+        # resume from exists (the channel may die with its Ray: a crash loses no step)
+        if is_chief and not reporter.flush(FLUSH_WAIT_S):
+            print(f"run {run_id}: the controller has not written its reports in "
+                  f"{FLUSH_WAIT_S:.0f}s; checkpointing anyway", flush=True)  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             if is_chief:
                 try:
