@@ -275,6 +275,64 @@ def test_two_tenants_train_and_serve_through_a_controller_failover(
     assert "tunefleet_queue_length 0.0" in scraped
 
 
+def test_a_job_whose_node_is_lost_resumes_from_its_newest_checkpoint_in_s3(
+    cluster: dict[str, Any], tmp_path: Path
+) -> None:
+    """The second Ray node dies (SIGKILL to its whole process group, as a machine lost)
+    mid-training; a replacement node joins (as Kubernetes replaces a pod): the job goes on
+    there from its newest checkpoint in S3 and succeeds. Runs last: it kills the node the
+    module's other test trains on."""
+    from openai import OpenAI
+
+    epochs, steps = 30, 60  # two steps per epoch (4 examples, batch 2)
+    client = OpenAI(
+        base_url=f"{cluster['apis'][0]}/v1", api_key=cluster["keys"]["globex"], max_retries=0
+    )
+    with _dataset(tmp_path / "globex.jsonl", ANSWERS["globex"]).open("rb") as fh:
+        upload = client.files.create(file=fh, purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model=TINY,
+        training_file=upload.id,
+        seed=2,
+        hyperparameters={"n_epochs": epochs, "batch_size": 2, "learning_rate_multiplier": 50},
+        extra_body={"tunefleet": {"checkpoint_every_steps": 5}},
+    )
+    deadline = time.monotonic() + 300
+    while not (saved := list(client.fine_tuning.jobs.checkpoints.list(job.id))):
+        assert time.monotonic() < deadline, "no checkpoint was saved"
+        time.sleep(0.3)
+    newest = max(c.step_number for c in saved)
+    os.killpg(cluster["node_pid"], signal.SIGKILL)
+    with ray_node(cluster["head"], num_cpus=2, resources='{"trainer": 1}'):
+        deadline = time.monotonic() + 600
+        while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in (
+            "succeeded",
+            "failed",
+            "cancelled",
+        ):
+            assert time.monotonic() < deadline, "the job did not end"
+            time.sleep(1)
+    assert job.status == "succeeded", (job.error, _tails(cluster))
+
+    events = list(client.fine_tuning.jobs.list_events(job.id, limit=500))[::-1]  # oldest first
+    messages = [e.message for e in events]
+    lost = cluster["worker_node"]
+    assert any(m.startswith(f"Node(s) {lost} left the Ray cluster") for m in messages), messages
+    dispatched = [e for e in events if e.message.startswith("Dispatched as Ray job")]
+    assert len(dispatched) == 2, messages
+    assert dispatched[0].data["nodes"] == [lost]  # type: ignore[index]
+    assert dispatched[1].data["nodes"] != [lost]  # type: ignore[index]
+    # the second run restored a checkpoint at least as new as the newest one listed
+    resumed = [e for e in events if e.message.startswith("Training ")][-1]
+    assert resumed.data["nodes"] == dispatched[1].data["nodes"]  # type: ignore[index]
+    assert resumed.data["step"] >= newest > 0, resumed.message  # type: ignore[index]
+    assert sum(m.startswith("The job has successfully completed") for m in messages) == 1
+    steps_on_record = [e.data["step"] for e in events if e.type == "metrics"]  # type: ignore[index]
+    assert max(steps_on_record) == steps
+    store = cluster["store"]
+    assert store.exists(store.adapter_key(job.id))
+
+
 def messages_of(client: Any, job_id: str) -> list[str]:
     return [e.message for e in client.fine_tuning.jobs.list_events(job_id, limit=500)]
 

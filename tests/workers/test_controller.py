@@ -39,6 +39,7 @@ class TwinBackend:
         self.refuse_submits = 0  # the next n submits fail as Ray's Jobs API can
         self.channels: dict[str, RunChannel] = {}  # run id -> its channel, in-process
         self.pushed: list[tuple[str, dict[str, list[str]]]] = []
+        self.node_ids = ["twin"]  # the cluster's live nodes
 
     def submit_run(self, sid: str, job_id: str, env: dict[str, str]) -> None:
         if self.refuse_submits:
@@ -59,7 +60,7 @@ class TwinBackend:
         self.status[sid] = "STOPPED"
 
     def nodes(self) -> list[Node]:
-        return [Node("twin", cpus=1)]
+        return [Node(node_id, cpus=1) for node_id in self.node_ids]
 
     def deploy_model_server(self, base_model: str, model_path: str) -> str:
         self.deployed.append(base_model)
@@ -133,6 +134,28 @@ def test_admit_dispatch_and_a_cancel_racing_success(settings: Settings) -> None:
         job = s.get(Job, job_id)
         assert job is not None and job.status == "cancelled"
         assert list(s.scalars(select(Adapter))) == []
+
+
+def test_a_run_whose_node_left_is_stopped_and_the_job_goes_on_elsewhere(
+    settings: Settings,
+) -> None:
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    job_id = _job(settings)
+    ctl.tick()
+    assert twin.submitted == [f"{job_id}-1"]
+
+    twin.node_ids = ["twin-2"]  # "twin" is lost; a replacement node joined
+    ctl.tick()  # the run is stopped, the job queued again and placed on the new node
+    assert twin.status[f"{job_id}-1"] == "STOPPED"
+    assert twin.submitted == [f"{job_id}-1", f"{job_id}-2"]
+    url = settings.resolved_database_url
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "running" and job.failures == 0
+        assert job.placement == {"nodes": ["twin-2"]}
+        events = [e.message for e in list_events(s, job_id, limit=50)[0]]
+    assert any(m.startswith("Node(s) twin left the Ray cluster") for m in events), events
 
 
 def test_runs_report_through_their_channel_and_learn_to_stop_from_it(

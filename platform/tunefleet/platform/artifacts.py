@@ -25,12 +25,16 @@ import os
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from tunefleet.platform.errors import InvalidRequest, PayloadTooLarge
 from tunefleet.platform.settings import Settings
+
+# one read or write to object storage; small reads cost a request each
+_CHUNK = 8 << 20
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -237,7 +241,7 @@ class S3Store(Keys):
 
     def read_chunks(self, key: str, chunk_size: int = 1 << 16) -> Iterator[bytes]:
         with self.fs.open_input_stream(self._object(key)) as fh:
-            while chunk := fh.read(chunk_size):
+            while chunk := fh.read(max(chunk_size, _CHUNK)):  # a request per read
                 yield chunk
 
     def put_dir(self, key: str, source: Path) -> None:
@@ -267,25 +271,32 @@ class S3Store(Keys):
 
     def local_copy(self, key: str) -> Path:
         """The artifact in this node's cache, downloaded once (into a temporary name,
-        renamed into place: processes racing for it each get a whole copy)."""
+        renamed into place: processes racing for it each get a whole copy). One listing
+        finds a folder's files, which download side by side in large reads (an adapter's
+        cold load on a replica waits for this)."""
         from pyarrow import fs
 
         target = self.cache.path(key)
         if target.exists():
             return target
-        info = self.fs.get_file_info(self._object(key))
-        if info.type == fs.FileType.NotFound:
-            raise FileNotFoundError(f"{key} is not in {self.url}")
+        remote = self._object(key)
+        listing = self.fs.get_file_info(
+            fs.FileSelector(remote, recursive=True, allow_not_found=True)
+        )
+        files = [info for info in listing if info.type == fs.FileType.File]
         tmp = self.cache._tmp_for(key)
+        if files:  # a folder: its files go under the same relative paths
+            copies = [(info.path, tmp / info.path[len(remote) + 1 :]) for info in files]
+        elif self.fs.get_file_info(remote).type == fs.FileType.File:
+            copies = [(remote, tmp)]
+        elif listing:  # a folder of empty folders
+            copies = []
+            tmp.mkdir()
+        else:
+            raise FileNotFoundError(f"{key} is not in {self.url}")
         try:
-            if info.type == fs.FileType.Directory:
-                tmp.mkdir()  # a folder's files are copied into it
-            fs.copy_files(
-                self._object(key),
-                str(tmp),
-                source_filesystem=self.fs,
-                destination_filesystem=fs.LocalFileSystem(),
-            )
+            with ThreadPoolExecutor(max_workers=min(8, max(1, len(copies)))) as pool:
+                list(pool.map(lambda copy: self._download(*copy), copies))
             try:
                 os.rename(tmp, target)
             except OSError:  # another process put its copy in first
@@ -297,6 +308,13 @@ class S3Store(Keys):
             else:
                 tmp.unlink(missing_ok=True)
         return target
+
+    def _download(self, remote: str, local: Path) -> None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with self.fs.open_input_file(remote) as source, open(local, "wb") as sink:
+            size = source.size()  # ranged reads of a known size: one request each
+            for offset in range(0, size, _CHUNK):
+                sink.write(source.read_at(min(_CHUNK, size - offset), offset))
 
     def ray_storage(self, key: str) -> tuple[str, Any]:
         return self._object(key), self.fs
@@ -323,6 +341,7 @@ def _copy_up(filesystem: Any, local: Path, remote: str) -> None:
         remote,
         source_filesystem=fs.LocalFileSystem(),
         destination_filesystem=filesystem,
+        chunk_size=_CHUNK,
     )
 
 

@@ -544,10 +544,20 @@ class Controller:
         with session_scope(self.db_url) as s:
             jobs = list(
                 s.execute(
-                    select(Job.id, Job.ray_submission_id).where(Job.status == S.RUNNING.value)
+                    select(Job.id, Job.ray_submission_id, Job.placement).where(
+                        Job.status == S.RUNNING.value
+                    )
                 )
             )
-        for job_id, sid in jobs:
+        alive: list[set[str]] = []  # Ray's live nodes, asked once a pass if needed
+
+        def lost_nodes(placement: dict[str, Any] | None) -> list[str]:
+            placed = (placement or {}).get("nodes") or []
+            if placed and not alive:
+                alive.append({n.id for n in self.backend.nodes()})
+            return sorted(set(placed) - alive[0]) if placed else []
+
+        for job_id, sid, placement in jobs:
             if sid is None:
                 continue
             with moved_on(job_id), self._job_alone(job_id):
@@ -561,8 +571,31 @@ class Controller:
                 elif info.status in (FAILED, STOPPED):
                     self.relay(job_id, sid)  # the error it recorded, if any
                     self._run_failed(job_id, sid, ray_reason(info.message))
+                elif lost := lost_nodes(placement):
+                    self._node_lost(job_id, sid, lost)
                 else:
                     failpoint("follow.running")
+
+    def _node_lost(self, job_id: str, sid: str, lost: list[str]) -> None:
+        """A node the run was placed on left the cluster (a machine lost, a pod evicted):
+        its workers cannot come back there, so the run is stopped and the job queued again
+        at once, to continue from its newest checkpoint wherever the scheduler places it
+        now. The job's failure count is left alone: the job did nothing wrong."""
+        self.relay(job_id, sid)  # what it said before it was cut off
+        self.backend.stop_run(sid)
+        with self._writing() as s:
+            transition(
+                s,
+                job_id,
+                S.RUNNING,
+                S.QUEUED,
+                f"Node(s) {', '.join(lost)} left the Ray cluster while Ray job {sid} ran "
+                "there; it was stopped, and the job continues from its newest checkpoint "
+                "on the nodes the scheduler picks next",
+                level="warning",
+                data={"ray_submission_id": sid, "lost_nodes": lost},
+                placement=None,
+            )
 
     @contextlib.contextmanager
     def _job_alone(self, job_id: str) -> Iterator[None]:
