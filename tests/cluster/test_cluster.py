@@ -8,7 +8,14 @@ Two tenants upload and train through the official `openai` SDK; one controller i
 with SIGKILL mid-training. Then: both jobs succeed, once; the workers ran on the node the
 events name (the second one); checkpoints and adapters are in S3 and Serve answers from
 them, through either API; Serve refuses a request without the API's secret; no run's
-runtime_env holds the database's URL; Ray's Jobs API wants the token."""
+runtime_env holds the database's URL; Ray's Jobs API wants the token.
+
+The API, controller and migration commands and environments are the Helm chart's
+(`helm template` of `helm/tunefleet/ci/s3-values.yaml`): the test gives its own values
+only to the names that say where things are (addresses, ports, folders) and to the
+secrets, so the chart and the application cannot disagree on a command or a name. Each
+controller here attaches to a Ray node already on this machine, where in Kubernetes its
+pod's own sidecar node is."""
 
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import httpx
 import pytest
 
 from conftest import TINY, _create_pg_database
+from helmchart import CHART, container, find, render
 from raycluster import free_port, ray_cluster, ray_node, stop_process
 from s3 import new_bucket
 from tunefleet.platform.artifacts import open_store
@@ -81,25 +89,35 @@ def cluster(
             worker_node = next(n["NodeID"] for n in ray.nodes() if "trainer" in n["Resources"])
         finally:
             ray.shutdown()
-        env = {
-            **os.environ,  # the session's Ray token and S3 credentials, as each pod has
+        chart = render(CHART / "ci" / "s3-values.yaml")
+        pods = {
+            "api": container(find(chart, "Deployment", "-api"), "api"),
+            "controller": container(find(chart, "Deployment", "-controller"), "controller"),
+            "migrate": container(find(chart, "Job", "-migrate"), "migrate"),
+        }
+        places = {  # where things are on this machine, and the secrets' values
             "TUNEFLEET_DATABASE_URL": _create_pg_database(pg_server),
             "TUNEFLEET_RAY_ADDRESS": head.address,
             "TUNEFLEET_RAY_DASHBOARD_URL": head.dashboard,
             "TUNEFLEET_ARTIFACT_ROOT": bucket,
             "TUNEFLEET_S3_ENDPOINT_URL": s3_endpoint,
             "TUNEFLEET_MODEL_REGISTRY": str(tiny_registry),
+            "TUNEFLEET_SERVE_HOST": "127.0.0.1",
             "TUNEFLEET_SERVE_SECRET": secrets.token_urlsafe(24),
             "TUNEFLEET_SERVE_PORT": str(free_port()),
             "TUNEFLEET_CONTROLLER_LEASE_TTL_S": "5",
-            "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
+            # the session's Ray token and S3 credentials (tests/conftest.py)
+            **{k: os.environ[k] for k in ("RAY_AUTH_TOKEN", *AWS_KEYS)},
         }
-        subprocess.run([*CLI, "db", "upgrade"], env=env, check=True, capture_output=True)
+        env = {name: _chart_env(c, places) for name, c in pods.items()}
+        env["controller"]["TUNEFLEET_CONTROLLER_INTERVAL_S"] = "0.3"  # quick passes
+        migrate = [*CLI, *pods["migrate"]["args"]]
+        subprocess.run(migrate, env=env["migrate"], check=True, capture_output=True)
         keys = {}
         for tenant in ANSWERS:
             out = subprocess.run(
                 [*CLI, "admin", "create-tenant", tenant],
-                env=env,
+                env=env["api"],
                 check=True,
                 capture_output=True,
                 text=True,
@@ -107,19 +125,20 @@ def cluster(
             keys[tenant] = json.loads(out.stdout.strip().splitlines()[-1])["api_key"]
         try:
             apis, controllers = [], []
-            for i in range(2):
+            for i in range(2):  # each with the chart's worker processes (one /metrics)
                 port = free_port()
-                own = {**env, "TUNEFLEET_DATA_DIR": str(root / f"api-{i}")}
+                own = {**env["api"], **_own_folders(root / f"api-{i}")}
                 log = root / f"api-{i}.log"
-                # the second with two worker processes (one /metrics for both)
-                command = ["api", "--workers", "2"] if i else ["api"]
-                procs.append(_start(command, {**own, "TUNEFLEET_API_PORT": str(port)}, log))
+                own["TUNEFLEET_API_PORT"] = str(port)
+                procs.append(_start(pods["api"]["args"], own, log))
                 apis.append((f"http://127.0.0.1:{port}", procs[-1], log))
             for i in range(2):
                 port = free_port()
-                own = {**env, "TUNEFLEET_DATA_DIR": str(root / f"controller-{i}")}
+                own = {**env["controller"], **_own_folders(root / f"controller-{i}")}
                 log = root / f"controller-{i}.log"
-                procs.append(_start(["controller", "--health-port", str(port)], own, log))
+                args = list(pods["controller"]["args"])
+                args[args.index("--health-port") + 1] = str(port)
+                procs.append(_start(args, own, log))
                 controllers.append((f"http://127.0.0.1:{port}/healthz", procs[-1], log))
             for url, proc, log in apis:
                 _wait_ok(f"{url}/readyz", proc, log)
@@ -129,7 +148,7 @@ def cluster(
                 "apis": [url for url, _, _ in apis],
                 "controllers": controllers,
                 "keys": keys,
-                "env": env,
+                "env": env["controller"],
                 "head": head,
                 "worker_node": worker_node,
                 "node_pid": node_pid,
@@ -139,6 +158,33 @@ def cluster(
         finally:
             for proc in procs:
                 stop_process(proc, grace_s=20)
+
+
+AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
+def _chart_env(rendered: dict[str, Any], places: dict[str, str]) -> dict[str, str]:
+    """A process's environment as the chart gives its container: the chart's values, but
+    this machine's ``places`` for the names that say where things are and for secrets
+    (which the chart takes from Kubernetes Secrets), on top of this process's environment
+    less any TUNEFLEET_ setting of its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEFLEET_")}
+    for item in rendered["env"]:
+        name = item["name"]
+        if name in places:
+            env[name] = places[name]
+        else:
+            assert "value" in item, f"{name} comes from a Secret the test does not fill"
+            env[name] = item["value"]
+    return env
+
+
+def _own_folders(folder: Path) -> dict[str, str]:
+    """A pod's own volumes: data and the artifact cache."""
+    return {
+        "TUNEFLEET_DATA_DIR": str(folder / "data"),
+        "TUNEFLEET_ARTIFACT_CACHE": str(folder / "cache"),
+    }
 
 
 def _dataset(path: Path, answer: str) -> Path:

@@ -73,7 +73,14 @@ class Settings(BaseSettings):
     )
     api_host: str = Field(default="127.0.0.1", description="Address the REST API binds to.")
     api_port: int = Field(default=8080, description="Port the REST API listens on.")
-    serve_host: str = Field(default="127.0.0.1", description="Ray Serve HTTP proxy host.")
+    serve_host: str = Field(
+        default="127.0.0.1", description="Ray Serve HTTP proxy host, as the API reaches it."
+    )
+    serve_bind_host: str = Field(
+        default="",
+        description="Address Serve's HTTP proxies bind to on their Ray node (0.0.0.0 in a "
+        "cluster, where the API reaches the head by a service name). Empty: serve_host.",
+    )
     serve_port: int = Field(default=8000, description="Ray Serve HTTP proxy port.")
     serve_proxy_location: Literal["HeadOnly", "EveryNode"] = Field(
         default="HeadOnly",

@@ -186,7 +186,10 @@ class RayBackend:
         if not self._serve_started:
             serve.start(
                 proxy_location=self.settings.serve_proxy_location,
-                http_options={"host": self.settings.serve_host, "port": self.settings.serve_port},
+                http_options={
+                    "host": self.settings.serve_bind_host or self.settings.serve_host,
+                    "port": self.settings.serve_port,
+                },
             )
             self._serve_started = True
         name = app_name(base_model)

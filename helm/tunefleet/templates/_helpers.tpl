@@ -1,0 +1,196 @@
+{{/* Names ------------------------------------------------------------------------ */}}
+{{- define "tunefleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "tunefleet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else if contains (include "tunefleet.name" .) .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name (include "tunefleet.name" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "tunefleet.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "tunefleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Selector labels of one component: api, controller, migrations, postgres, ray */}}
+{{- define "tunefleet.selector" -}}
+app.kubernetes.io/name: {{ include "tunefleet.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Every pod of this release that may reach Ray and Serve carries this label */}}
+{{- define "tunefleet.memberLabel" -}}
+tunefleet.io/member: {{ .Release.Name | quote }}
+{{- end }}
+
+{{- define "tunefleet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "tunefleet.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "tunefleet.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "tunefleet.gpuImage" -}}
+{{- printf "%s:%s" .Values.image.repository (default (printf "%s-cuda" (default .Chart.AppVersion .Values.image.tag)) .Values.image.gpuTag) }}
+{{- end }}
+
+{{/* Secrets ---------------------------------------------------------------------- */}}
+{{- define "tunefleet.databaseSecret" -}}
+{{- if .Values.database.existingSecret }}{{ .Values.database.existingSecret }}{{ else }}{{ include "tunefleet.fullname" . }}-database{{ end }}
+{{- end }}
+
+{{- define "tunefleet.databaseKey" -}}
+{{- if .Values.database.existingSecret }}{{ .Values.database.secretKey }}{{ else }}url{{ end }}
+{{- end }}
+
+{{- define "tunefleet.serveSecret" -}}
+{{- default (printf "%s-serve" (include "tunefleet.fullname" .)) .Values.serve.existingSecret }}
+{{- end }}
+
+{{- define "tunefleet.rayTokenSecret" -}}
+{{- default (printf "%s-ray-token" (include "tunefleet.fullname" .)) .Values.ray.auth.existingSecret }}
+{{- end }}
+
+{{/* A random value kept across upgrades: the one already in the Secret, if any */}}
+{{- define "tunefleet.keptRandom" -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name }}
+{{- if and $existing (index $existing.data .key) }}
+{{- index $existing.data .key }}
+{{- else }}
+{{- randAlphaNum 48 | b64enc }}
+{{- end }}
+{{- end }}
+
+{{/* Ray ------------------------------------------------------------------------- */}}
+{{- define "tunefleet.rayCluster" -}}
+{{ include "tunefleet.fullname" . }}-ray
+{{- end }}
+
+{{/* KubeRay names the head's Service <cluster>-head-svc */}}
+{{- define "tunefleet.rayHead" -}}
+{{ include "tunefleet.rayCluster" . }}-head-svc.{{ .Release.Namespace }}.svc.cluster.local
+{{- end }}
+
+{{- define "tunefleet.rayAddress" -}}
+{{- if .Values.ray.external.address }}{{ .Values.ray.external.address }}{{ else }}{{ include "tunefleet.rayHead" . }}:6379{{ end }}
+{{- end }}
+
+{{- define "tunefleet.rayDashboard" -}}
+{{- if .Values.ray.external.address }}{{ .Values.ray.external.dashboardUrl }}{{ else }}http://{{ include "tunefleet.rayHead" . }}:8265{{ end }}
+{{- end }}
+
+{{/* Serve's HTTP proxy, on the head (proxyLocation HeadOnly) */}}
+{{- define "tunefleet.serveHost" -}}
+{{- if .Values.ray.external.address }}{{ (split ":" .Values.ray.external.address)._0 }}{{ else }}{{ include "tunefleet.rayHead" . }}{{ end }}
+{{- end }}
+
+{{/* Artifacts --------------------------------------------------------------------- */}}
+{{- define "tunefleet.artifactRoot" -}}
+{{- if .Values.artifacts.s3.bucket }}
+{{- printf "s3://%s/%s" .Values.artifacts.s3.bucket (.Values.artifacts.s3.prefix | trimAll "/") | trimSuffix "/" }}
+{{- else }}/artifacts{{ end }}
+{{- end }}
+
+{{/* Where every TuneFleet process and Ray node finds artifacts and base models, and
+     the S3 credentials (from a Secret, never a plain value) */}}
+{{- define "tunefleet.storageEnv" -}}
+- name: TUNEFLEET_ARTIFACT_ROOT
+  value: {{ include "tunefleet.artifactRoot" . | quote }}
+{{- if .Values.artifacts.s3.bucket }}
+- name: TUNEFLEET_S3_ENDPOINT_URL
+  value: {{ .Values.artifacts.s3.endpointUrl | quote }}
+- name: TUNEFLEET_S3_REGION
+  value: {{ .Values.artifacts.s3.region | quote }}
+{{- if .Values.artifacts.s3.existingSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom: {secretKeyRef: {name: {{ .Values.artifacts.s3.existingSecret }}, key: AWS_ACCESS_KEY_ID}}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom: {secretKeyRef: {name: {{ .Values.artifacts.s3.existingSecret }}, key: AWS_SECRET_ACCESS_KEY}}
+{{- end }}
+{{- end }}
+- name: TUNEFLEET_ARTIFACT_CACHE
+  value: /cache/artifacts
+- name: TUNEFLEET_MODEL_REGISTRY
+  value: {{ .Values.models.path | quote }}
+{{- end }}
+
+{{/* What the API, the controller and the migration Job share */}}
+{{- define "tunefleet.serviceEnv" -}}
+- name: TUNEFLEET_DATABASE_URL
+  valueFrom: {secretKeyRef: {name: {{ include "tunefleet.databaseSecret" . }}, key: {{ include "tunefleet.databaseKey" . }}}}
+- name: TUNEFLEET_DATA_DIR
+  value: /data
+{{ include "tunefleet.storageEnv" . }}
+{{- end }}
+
+{{- define "tunefleet.serveEnv" -}}
+- name: TUNEFLEET_SERVE_HOST
+  value: {{ include "tunefleet.serveHost" . | quote }}
+- name: TUNEFLEET_SERVE_PORT
+  value: {{ .Values.serve.port | quote }}
+- name: TUNEFLEET_SERVE_SECRET
+  valueFrom: {secretKeyRef: {name: {{ include "tunefleet.serveSecret" . }}, key: secret}}
+- name: TUNEFLEET_RAY_DASHBOARD_URL
+  value: {{ include "tunefleet.rayDashboard" . | quote }}
+{{- end }}
+
+{{- define "tunefleet.rayAuthEnv" -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom: {secretKeyRef: {name: {{ include "tunefleet.rayTokenSecret" . }}, key: auth_token}}
+{{- end }}
+
+{{/* Volumes: the read-only root filesystem's writable places, artifacts and models */}}
+{{- define "tunefleet.volumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: data
+  emptyDir: {}
+- name: cache
+  emptyDir: {sizeLimit: {{ .Values.artifacts.cacheSize }}}
+{{- if .Values.artifacts.existingClaim }}
+- name: artifacts
+  persistentVolumeClaim: {claimName: {{ .Values.artifacts.existingClaim }}}
+{{- end }}
+{{- if .Values.models.existingClaim }}
+- name: models
+  persistentVolumeClaim: {claimName: {{ .Values.models.existingClaim }}, readOnly: true}
+{{- end }}
+{{- end }}
+
+{{- define "tunefleet.volumeMounts" -}}
+- {name: tmp, mountPath: /tmp}
+- {name: data, mountPath: /data}
+- {name: cache, mountPath: /cache}
+{{- if .Values.artifacts.existingClaim }}
+- {name: artifacts, mountPath: /artifacts}
+{{- end }}
+{{- if .Values.models.existingClaim }}
+- {name: models, mountPath: {{ .Values.models.path }}, readOnly: true}
+{{- end }}
+{{- end }}
+
+{{- define "tunefleet.podSpecCommon" -}}
+serviceAccountName: {{ include "tunefleet.serviceAccountName" . }}
+automountServiceAccountToken: false
+securityContext: {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- with .Values.image.pullSecrets }}
+imagePullSecrets: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,353 @@
+"""The Helm chart, checked offline with the real Helm: lint, render every `ci/*-values.yaml`
+for Kubernetes 1.32, validate each object against Kubernetes' schemas (kubernetes-validate,
+strict) and the RayCluster against KubeRay's CRD with unknown fields refused, then the
+rules the chart must keep (secrets, probes, resources, GPUs, network policy, hooks)."""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from helmchart import CHART, KUBE_VERSION, container, find, helm, pod_specs, render
+from tunefleet.platform.settings import Settings
+
+VARIANTS = sorted((CHART / "ci").glob("*-values.yaml"))
+CRD = Path(__file__).parent / "kuberay-crds" / "ray.io_rayclusters.yaml"
+SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|DATABASE_URL|ACCESS_KEY", re.I)
+
+
+@cache
+def rendered(variant: Path) -> list[dict[str, Any]]:
+    return render(variant)
+
+
+def variant(name: str) -> Path:
+    return CHART / "ci" / f"{name}-values.yaml"
+
+
+@pytest.mark.parametrize("values", VARIANTS, ids=lambda p: p.name)
+def test_lint_strict(values: Path) -> None:
+    # lint renders without the cluster's API versions, so it skips the KubeRay check
+    out = helm(
+        "lint", "--strict", str(CHART), "-f", str(values), "--kube-version", KUBE_VERSION,
+        "--set", "ray.checkOperator=false", check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@cache
+def _ray_cluster_schema() -> dict[str, Any]:
+    crd = yaml.safe_load(CRD.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema: dict[str, Any] = version["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def unknown_fields(obj: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Fields of ``obj`` that ``schema`` does not name (a CRD's schema lets them through;
+    the API server prunes them, silently)."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    found = []
+    if isinstance(obj, dict) and "properties" in schema:
+        for key, value in obj.items():
+            if key not in schema["properties"]:
+                found.append(f"{path}.{key}")
+            else:
+                found += unknown_fields(value, schema["properties"][key], f"{path}.{key}")
+    elif isinstance(obj, dict) and isinstance(schema.get("additionalProperties"), dict):
+        for key, value in obj.items():
+            found += unknown_fields(value, schema["additionalProperties"], f"{path}.{key}")
+    elif isinstance(obj, list) and "items" in schema:
+        for i, value in enumerate(obj):
+            found += unknown_fields(value, schema["items"], f"{path}[{i}]")
+    return found
+
+
+def validate(obj: dict[str, Any]) -> None:
+    """Kubernetes 1.32's schema, strict, for built-in kinds; KubeRay's CRD for Ray's."""
+    if obj["apiVersion"] == "ray.io/v1":
+        schema = _ray_cluster_schema()
+        jsonschema.validate(obj, schema)
+        assert unknown_fields(obj, schema) == [], f"{obj['kind']} fields KubeRay does not know"
+    elif obj["apiVersion"].startswith("monitoring.coreos.com/"):
+        assert obj["kind"] == "ServiceMonitor"  # the Prometheus Operator's: no schema here
+    else:
+        kubernetes_validate.validate(obj, f"{KUBE_VERSION}.0", strict=True)
+
+
+@pytest.mark.parametrize("values", VARIANTS, ids=lambda p: p.name)
+def test_every_object_is_valid_for_kubernetes_1_32_and_kuberay(values: Path) -> None:
+    objects = rendered(values)
+    assert {o["kind"] for o in objects} >= {"Deployment", "Service", "Job"}
+    for obj in objects:
+        try:
+            validate(obj)
+        except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as exc:
+            pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {exc}")
+
+
+def test_unknown_fields_are_caught_in_the_ray_cluster() -> None:
+    ray = find(rendered(variant("gpu")), "RayCluster", "-ray")
+    ray["spec"]["headGroupSpec"]["rayStartParms"] = {}  # a typo the CRD's schema allows
+    ray["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0]["gpus"] = 1
+    assert unknown_fields(ray, _ray_cluster_schema()) == [
+        ".spec.headGroupSpec.rayStartParms",
+        ".spec.workerGroupSpecs[1].template.spec.containers[0].gpus",
+    ]
+
+
+def test_values_schema_refuses_unknown_keys_and_wrong_types() -> None:
+    for bad, named in (
+        ("api.replica=3", "replica"),  # a typo of api.replicas
+        ("ray.head.gpus=1", "gpus"),
+        ("api.workers=0", "api.workers"),
+        ("serve.proxyLocation=Everywhere", "proxyLocation"),
+    ):
+        out = helm(
+            "template", "t", str(CHART), "-f", str(variant("minimal")),
+            "--api-versions", "ray.io/v1/RayCluster", "--set", bad, check=False,
+        )  # fmt: skip
+        assert out.returncode != 0 and named in out.stderr, (bad, out.stderr)
+
+
+def test_without_kuberay_the_install_stops_and_names_the_operator() -> None:
+    out = helm("template", "t", str(CHART), "-f", str(variant("minimal")), check=False)
+    assert out.returncode != 0
+    assert "KubeRay operator" in out.stderr and "kuberay/kuberay-operator" in out.stderr
+    # an external Ray cluster needs no operator
+    assert render(variant("existing-ray"), api_versions=())
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        ((), "Give exactly one database"),
+        (("database.url=postgresql://a@b/c", "database.existingSecret=db"), "exactly one"),
+        (("database.url=postgresql://a@b/c",), "artifact store"),
+        (("database.postgres.enabled=true", "artifacts.s3.bucket=bkt"), "postgres.password"),
+    ],
+)
+def test_impossible_values_are_refused_with_the_fix(sets: tuple[str, ...], message: str) -> None:
+    args = ["template", "t", str(CHART), "--api-versions", "ray.io/v1/RayCluster"]
+    for item in sets:
+        args += ["--set", item]
+    out = helm(*args, check=False)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        c for spec in pod_specs(obj) for c in spec.get("initContainers", []) + spec["containers"]
+    ]
+
+
+@pytest.mark.parametrize("values", VARIANTS, ids=lambda p: p.name)
+def test_no_secret_is_a_plain_env_value(values: Path) -> None:
+    text = values.read_text()
+    given = yaml.safe_load(text)
+    plain_secrets = [
+        s
+        for s in (
+            given.get("database", {}).get("url", ""),
+            given.get("database", {}).get("postgres", {}).get("password", ""),
+        )
+        if s
+    ]
+    for obj in rendered(values):
+        for c in _containers(obj):
+            for env in c.get("env", []):
+                where = f"{obj['metadata']['name']}/{c['name']} {env['name']}"
+                if SECRET_NAME.search(env["name"]) and env["name"] != "RAY_AUTH_MODE":
+                    assert "valueFrom" in env and "value" not in env, f"{where} is plain"
+                value = str(env.get("value", ""))
+                assert not any(s in value for s in plain_secrets), f"{where} holds a secret"
+                assert not re.search(r"://[^/@\s]+:[^/@\s]+@", value), f"{where}: credentials"
+
+
+@pytest.mark.parametrize("values", VARIANTS, ids=lambda p: p.name)
+def test_every_container_has_probes_and_resources(values: Path) -> None:
+    for obj in rendered(values):
+        for c in _containers(obj):
+            where = f"{obj['kind']} {obj['metadata']['name']}/{c['name']}"
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c.get("resources", {}).get(kind, {})), where
+            if obj["kind"] == "Job":  # runs to its end: no probes
+                continue
+            assert "livenessProbe" in c, where
+            assert "readinessProbe" in c or c.get("restartPolicy") == "Always", where
+        if obj["kind"] == "RayCluster":
+            assert obj["spec"]["autoscalerOptions"]["resources"]["limits"]
+
+
+@pytest.mark.parametrize("values", VARIANTS, ids=lambda p: p.name)
+def test_pods_run_as_non_root_with_read_only_roots_where_they_can(values: Path) -> None:
+    for obj in rendered(values):
+        for spec in pod_specs(obj):
+            assert spec["securityContext"]["runAsNonRoot"] is True
+            assert spec["automountServiceAccountToken"] is False
+        if obj["kind"] in ("Deployment", "Job"):  # the TuneFleet processes
+            for c in _containers(obj):
+                assert c["securityContext"]["readOnlyRootFilesystem"] is True, c["name"]
+                assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
+def test_gpu_groups_request_gpus_scale_from_zero_and_land_on_gpu_nodes() -> None:
+    ray = find(rendered(variant("gpu")), "RayCluster", "-ray")
+    assert ray["spec"]["enableInTreeAutoscaling"] is True
+    assert ray["spec"]["authOptions"] == {"mode": "token", "secretName": "tf-tunefleet-ray-token"}
+    head = ray["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    groups = {g["groupName"]: g for g in ray["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"cpu", "a100", "h100x8"}
+    for name, gpus in (("a100", 1), ("h100x8", 8)):
+        group = groups[name]
+        assert group["minReplicas"] == 0 and group["replicas"] == 0
+        spec = group["template"]["spec"]
+        (worker,) = spec["containers"]
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert worker["image"].endswith("-cuda")
+        assert spec["tolerations"] == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        ]
+        assert "cloud.google.com/gke-accelerator" in spec["nodeSelector"]
+        shm = next(v for v in spec["volumes"] if v["name"] == "shm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+    cpu = groups["cpu"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in cpu["resources"]["limits"]
+    assert not cpu["image"].endswith("-cuda")
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def test_ray_and_serve_are_reachable_from_tunefleet_pods_alone() -> None:
+    objects = rendered(variant("s3"))
+    policy = find(objects, "NetworkPolicy", "-ray")
+    ray = find(objects, "RayCluster", "-ray")
+    pods = {
+        "api": find(objects, "Deployment", "-api")["spec"]["template"]["metadata"]["labels"],
+        "controller": find(objects, "Deployment", "-controller")["spec"]["template"]["metadata"][
+            "labels"
+        ],
+        "migrate": find(objects, "Job", "-migrate")["spec"]["template"]["metadata"]["labels"],
+        "head": ray["spec"]["headGroupSpec"]["template"]["metadata"]["labels"],
+        "worker": ray["spec"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"],
+        "postgres": find(objects, "StatefulSet", "-postgres")["spec"]["template"]["metadata"][
+            "labels"
+        ],
+        "another release's pod": {"tunefleet.io/member": "other", "tunefleet.io/ray-node": "true"},
+        "any other pod": {"app": "something"},
+    }
+    guarded = {
+        name for name, labels in pods.items() if _selects(policy["spec"]["podSelector"], labels)
+    }
+    assert guarded == {"controller", "head", "worker"}  # every Ray node of this release
+    (members, health) = policy["spec"]["ingress"]
+    allowed = {
+        name
+        for name, labels in pods.items()
+        if any(_selects(peer["podSelector"], labels) for peer in members["from"])
+    }
+    assert allowed == {"api", "controller", "migrate", "head", "worker"}
+    assert "ports" not in members  # every Ray port, among members
+    assert health == {"ports": [{"port": 8090, "protocol": "TCP"}]} and "from" not in health
+    # Serve's port is on the head, which the policy guards
+    (head,) = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    head_ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert head_ports["serve"] == 8000 and head_ports["dashboard"] == 8265
+    database = find(objects, "NetworkPolicy", "-postgres")
+    assert _selects(database["spec"]["podSelector"], pods["postgres"])
+    (rule,) = database["spec"]["ingress"]
+    assert not _selects(rule["from"][0]["podSelector"], pods["any other pod"])
+    assert _selects(rule["from"][0]["podSelector"], pods["api"])
+
+
+def test_hooks_migrate_after_the_database_secret_and_keep_failed_jobs() -> None:
+    def hooks(objects: list[dict[str, Any]]) -> dict[str, tuple[str, int, str]]:
+        return {
+            f"{o['kind']}/{o['metadata']['name']}": (
+                o["metadata"]["annotations"]["helm.sh/hook"],
+                int(o["metadata"]["annotations"]["helm.sh/hook-weight"]),
+                o["metadata"]["annotations"]["helm.sh/hook-delete-policy"],
+            )
+            for o in objects
+            if "helm.sh/hook" in o["metadata"].get("annotations", {})
+        }
+
+    assert hooks(rendered(variant("minimal"))) == {
+        # the URL's Secret first (weight -10), then the Job that needs it
+        "Secret/tf-tunefleet-database": ("pre-install,pre-upgrade", -10, "before-hook-creation"),
+        # a failed Job stays (for its logs) until the next release's replaces it
+        "Job/tf-tunefleet-migrate": (
+            "pre-install,pre-upgrade",
+            0,
+            "before-hook-creation,hook-succeeded",
+        ),
+    }
+    # a Secret you manage: the Job alone
+    assert list(hooks(rendered(variant("gpu")))) == ["Job/tf-tunefleet-migrate"]
+    # the bundled PostgreSQL does not exist before the install: migrate after it
+    assert hooks(rendered(variant("s3")))["Job/tf-tunefleet-migrate"][0] == (
+        "post-install,pre-upgrade"
+    )
+    job = find(rendered(variant("minimal")), "Job", "-migrate")
+    # the chart's ServiceAccount does not exist yet when a pre-install hook runs
+    assert "serviceAccountName" not in job["spec"]["template"]["spec"]
+
+
+def test_every_tunefleet_setting_the_chart_sets_is_one_the_application_reads() -> None:
+    known = {f"TUNEFLEET_{name.upper()}" for name in Settings.model_fields}
+    for values in VARIANTS:
+        for obj in rendered(values):
+            for c in _containers(obj):
+                names = {e["name"] for e in c.get("env", []) if e["name"].startswith("TUNEFLEET_")}
+                assert names <= known, (values.name, c["name"], names - known)
+
+
+def test_the_controller_attaches_to_a_ray_node_of_its_own_pod() -> None:
+    controller = find(rendered(variant("minimal")), "Deployment", "-controller")
+    spec = controller["spec"]["template"]["spec"]
+    (node,) = spec["initContainers"]
+    assert node["restartPolicy"] == "Always"  # a native sidecar: up before the controller
+    assert node["args"][:4] == [
+        "start",
+        "--address=tf-tunefleet-ray-head-svc.tunefleet.svc.cluster.local:6379",
+        "--num-cpus=0",
+        "--num-gpus=0",
+    ]
+    main = container(controller, "controller")
+    shared = {m["name"] for m in node["volumeMounts"]} & {m["name"] for m in main["volumeMounts"]}
+    assert shared == {"tmp", "shm"}  # the raylet's sockets and the object store
+    env = {e["name"]: e for e in main["env"]}
+    assert env["TUNEFLEET_RAY_ADDRESS"]["value"] == node["args"][1].removeprefix("--address=")
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"] == {
+        "secretKeyRef": {"name": "tf-tunefleet-ray-token", "key": "auth_token"}
+    }
+
+
+def test_service_monitor_only_where_the_cluster_has_the_api() -> None:
+    kinds = [o["kind"] for o in rendered(variant("s3"))]
+    assert kinds.count("ServiceMonitor") == 1
+    without = render(variant("s3"), api_versions=("ray.io/v1/RayCluster",))
+    assert "ServiceMonitor" not in [o["kind"] for o in without]
+
+
+def test_ingress_and_autoscaler_for_the_api() -> None:
+    objects = rendered(variant("ingress-hpa"))
+    ingress = find(objects, "Ingress", "-api")
+    assert ingress["spec"]["tls"] == [
+        {"hosts": ["tunefleet.example.com"], "secretName": "tunefleet-tls"}
+    ]
+    hpa = find(objects, "HorizontalPodAutoscaler", "-api")
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 12)
+    assert "replicas" not in find(objects, "Deployment", "-api")["spec"]  # the HPA's to set
+    assert find(objects, "PodDisruptionBudget", "-api")["spec"]["minAvailable"] == 1
