@@ -16,7 +16,8 @@ so every adapter changes the outputs). Generated tokens per second for:
 Every configuration runs ``--repeats`` times in alternation and the best rate is kept
 (the machine is shared). Also the cold load of an adapter (artifact folder to ready to
 serve) for r=16, median of every load; and its wall time from the local store against
-S3 (a real S3 server on 127.0.0.1, the download into an empty node cache included).
+S3 (a real S3 server on 127.0.0.1), on request (the download into an empty node cache
+included) and after the replica's prefetch copied the adapter to the node.
 Writes ``bench/results/serve_multilora.json`` and a plot ``serve_multilora.png``; the
 targets of issues 7 and 18 are checked and printed, not asserted.
 
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -181,30 +183,50 @@ def cold_loads(model_path: Path, folder: Path, n: int) -> list[float]:
 
 
 def cold_loads_by_store(model_path: Path, folder: Path, n: int) -> dict[str, list[float]]:
-    """Wall time of a cold load (an adapter in the artifact store to ready to serve), from
-    the local store and from S3 (a real S3 server on 127.0.0.1, moto's; the download into
-    the replica's empty node cache included), adapter by adapter in alternation."""
+    """Wall time of a cold load (an adapter in the artifact store to ready to serve, not
+    yet in the replica's memory), adapter by adapter in alternation, from:
+
+    - ``local``: the local store;
+    - ``s3``: S3 (a real S3 server on 127.0.0.1, moto's) on request, the download into the
+      node's empty cache included: an adapter outside the newest ``PREFETCH_ADAPTERS``;
+    - ``s3_prefetched``: S3 after the replica's prefetch (``LoraServer.prefetch``, run when
+      the controller pushes a new adapter) copied it to the node's cache: what the first
+      request for one of the newest adapters of a base model waits for."""
     from s3 import new_bucket, s3_server
     from tunefleet.platform.artifacts import open_store
+    from tunefleet.workers.serve.app import LoraServer
 
-    times: dict[str, list[float]] = {"local": [], "s3": []}
+    times: dict[str, list[float]] = {"local": [], "s3": [], "s3_prefetched": []}
     # the local server takes any credentials; a replica has its node's AWS_* variables
     for name, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench")):
         os.environ.setdefault(name, value)
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     with s3_server() as endpoint, tempfile.TemporaryDirectory() as cache_dir:
-        s3 = open_store(new_bucket(endpoint), endpoint_url=endpoint, cache_dir=Path(cache_dir))
+        bucket = new_bucket(endpoint)
+        stores = {
+            name: open_store(bucket, endpoint_url=endpoint, cache_dir=Path(cache_dir) / name)
+            for name in ("s3", "s3_prefetched")
+        }
         for i in range(n):
-            s3.put_dir(s3.adapter_key(f"ad{i}"), folder / f"ad{i}")
+            stores["s3"].put_dir(stores["s3"].adapter_key(f"ad{i}"), folder / f"ad{i}")
+        replica = SimpleNamespace(
+            store=stores["s3_prefetched"], _prefetched=set(), _prefetching=None
+        )
+        LoraServer.func_or_class.prefetch(replica, [f"ad{i}" for i in range(n)])
+        replica._prefetching.join()
+
+        def locate(store: Any) -> Any:
+            return lambda a: store.local_copy(store.adapter_key(a))
+
         caches = {
-            "local": AdapterCache(
-                MultiLoraModel(load_serving_base(model_path), max_adapters=n),
-                locate=lambda a: folder / a,
-            ),
-            "s3": AdapterCache(
-                MultiLoraModel(load_serving_base(model_path), max_adapters=n),
-                locate=lambda a: s3.local_copy(s3.adapter_key(a)),
-            ),
+            name: AdapterCache(
+                MultiLoraModel(load_serving_base(model_path), max_adapters=n), locate=where
+            )
+            for name, where in (
+                ("local", lambda a: folder / a),
+                ("s3", locate(stores["s3"])),
+                ("s3_prefetched", locate(stores["s3_prefetched"])),
+            )
         }
         for cache in caches.values():  # the first load also wraps the layers
             cache.acquire("ad0", hold=False)
@@ -217,21 +239,41 @@ def cold_loads_by_store(model_path: Path, folder: Path, n: int) -> dict[str, lis
 
 
 def write_cold_loads(loads: list[float], by_store: dict[str, list[float]]) -> None:
-    local, s3 = statistics.median(by_store["local"]), statistics.median(by_store["s3"])
     result = {
         "model": BUILTIN_MODEL,
         "machine": machine.describe(),
         "rank": 16,
         "adapters": len(by_store["s3"]),
         "cold_load_median_ms": round(statistics.median(loads) * 1000, 3),
-        "cold_load_wall_local_median_ms": round(local * 1000, 3),
-        "cold_load_wall_s3_median_ms": round(s3 * 1000, 3),
-        "cold_load_s3_vs_local": round(s3 / local, 3),
-        "targets_met": {"cold load from S3 at most 2x local": s3 / local <= 2},
+        **cold_load_figures(by_store),
     }
+    result["targets_met"] = cold_load_targets(result)
     out = ROOT / "bench" / "results" / "serve_multilora_cold_load.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+
+
+def cold_load_figures(by_store: dict[str, list[float]]) -> dict[str, float]:
+    local = statistics.median(by_store["local"])
+    figures = {"cold_load_wall_local_median_ms": round(local * 1000, 3)}
+    for name in ("s3", "s3_prefetched"):
+        median = statistics.median(by_store[name])
+        figures[f"cold_load_wall_{name}_median_ms"] = round(median * 1000, 3)
+        figures[f"cold_load_{name}_vs_local"] = round(median / local, 3)
+    return figures
+
+
+def cold_load_targets(figures: dict[str, Any]) -> dict[str, bool]:
+    return {
+        "cold load from S3 at most 2x local (prefetched to the node)": figures[
+            "cold_load_s3_prefetched_vs_local"
+        ]
+        <= 2,
+        "cold load from S3 at most 2x local (on request, no prefetch)": figures[
+            "cold_load_s3_vs_local"
+        ]
+        <= 2,
+    }
 
 
 def main() -> None:
@@ -310,10 +352,7 @@ def main() -> None:
         f"loss_at_{top}_vs_1": 1 - tf[top] / tf[1],
         "single_adapter_overhead_vs_merged": 1 - tf[1] / merged,
         "cold_load_median_ms": statistics.median(loads) * 1000,
-        "cold_load_wall_local_median_ms": statistics.median(by_store["local"]) * 1000,
-        "cold_load_wall_s3_median_ms": statistics.median(by_store["s3"]) * 1000,
-        "cold_load_s3_vs_local": statistics.median(by_store["s3"])
-        / statistics.median(by_store["local"]),
+        **cold_load_figures(by_store),
     }
     checks = {
         f"at {mid} adapters >= 10x peft set_adapter": figures[f"vs_set_adapter_at_{mid}"] >= 10,
@@ -321,7 +360,7 @@ def main() -> None:
         f"{top} adapters within 20% of 1": figures[f"loss_at_{top}_vs_1"] <= 0.20,
         "single adapter within 25% of merged": figures["single_adapter_overhead_vs_merged"] <= 0.25,
         "median cold load < 50 ms (r=16)": figures["cold_load_median_ms"] < 50,
-        "cold load from S3 at most 2x local": figures["cold_load_s3_vs_local"] <= 2,
+        **cold_load_targets(figures),
     }
     result = {
         "model": BUILTIN_MODEL,

@@ -4,7 +4,7 @@ and the tests) or else from TuneFleet's settings."""
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import pool
+from sqlalchemy import pool, text
 
 from tunefleet.platform.db import Base
 from tunefleet.platform.db.session import get_engine
@@ -12,6 +12,7 @@ from tunefleet.platform.settings import get_settings
 
 config = context.config
 target_metadata = Base.metadata
+LOCK_KEY = 0x7475_6E65_666C_6565  # "tunefleet", a PostgreSQL advisory lock of its own
 
 
 def _url() -> str:
@@ -41,6 +42,10 @@ def run_migrations_online() -> None:
             compare_type=True,
         )
         with context.begin_transaction():
+            if connection.dialect.name == "postgresql":
+                # one migrator at a time (a Helm hook Job and controllers starting at once):
+                # the others wait, then find the schema current
+                connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": LOCK_KEY})
             context.run_migrations()
 
 

@@ -61,15 +61,20 @@ def test_admin_sets_serving_mode_and_replicas_read_it(
     assert resp.status_code == 404 and "'ft:nope'" in resp.json()["error"]["message"]
 
     with session_scope(url) as s:
-        assert serving_config(s, "tiny-llama") == {"merged": [], "pinned": []}
+        job = a_objects["job"]
+        # every adapter of the base is copied to the replicas' nodes ahead of requests
+        assert serving_config(s, "tiny-llama") == {"merged": [], "pinned": [], "prefetch": [job]}
     resp = app_client.patch(path, json={"serving_mode": "merged"}, headers=H(admin))
     assert resp.status_code == 200
     assert (resp.json()["serving_mode"], resp.json()["pinned"]) == ("merged", False)
     resp = app_client.patch(path, json={"pinned": True}, headers=H(admin))
     assert (resp.json()["serving_mode"], resp.json()["pinned"]) == ("merged", True)
     with session_scope(url) as s:
-        job = a_objects["job"]
-        assert serving_config(s, "tiny-llama") == {"merged": [job], "pinned": [job]}
-        assert serving_config(s, "other-model") == {"merged": [], "pinned": []}
+        assert serving_config(s, "tiny-llama") == {
+            "merged": [job],
+            "pinned": [job],
+            "prefetch": [job],
+        }
+        assert serving_config(s, "other-model") == {"merged": [], "pinned": [], "prefetch": []}
     listed = app_client.get("/v1/admin/adapters", headers=H(admin)).json()["data"]
     assert [(a["model"], a["serving_mode"]) for a in listed] == [(a_objects["model"], "merged")]

@@ -167,8 +167,8 @@ def _chart_env(rendered: dict[str, Any], places: dict[str, str]) -> dict[str, st
     """A process's environment as the chart gives its container: the chart's values, but
     this machine's ``places`` for the names that say where things are and for secrets
     (which the chart takes from Kubernetes Secrets), on top of this process's environment
-    less any TUNEFLEET_ setting of its own."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEFLEET_")}
+    less its TUNEFLEET_, RAY_ and AWS_ variables (a container has only the chart's)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TUNEFLEET_", "RAY_", "AWS_"))}
     for item in rendered["env"]:
         name = item["name"]
         if name in places:

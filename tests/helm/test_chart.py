@@ -16,6 +16,11 @@ import pytest
 import yaml
 
 from helmchart import CHART, KUBE_VERSION, container, find, helm, pod_specs, render
+from tunefleet.platform.serving_contract import (
+    NODE_ROLE_LABEL,
+    NOT_FOR_REPLICAS,
+    replica_label_selector,
+)
 from tunefleet.platform.settings import Settings
 
 VARIANTS = sorted((CHART / "ci").glob("*-values.yaml"))
@@ -132,7 +137,24 @@ def test_without_kuberay_the_install_stops_and_names_the_operator() -> None:
         ((), "Give exactly one database"),
         (("database.url=postgresql://a@b/c", "database.existingSecret=db"), "exactly one"),
         (("database.url=postgresql://a@b/c",), "artifact store"),
-        (("database.postgres.enabled=true", "artifacts.s3.bucket=bkt"), "postgres.password"),
+        (
+            (
+                "database.url=postgresql://a@b/c",
+                "artifacts.s3.bucket=bkt",
+                f"fullnameOverride={'x' * 38}",
+            ),
+            "longer than 37 characters",
+        ),
+        (
+            (
+                "database.url=postgresql://a@b/c",
+                "artifacts.s3.bucket=bkt",
+                "ray.external.address=ray:6379",
+                "ray.external.dashboardUrl=http://ray:8265",
+                "ray.auth.existingSecret=ray-token",
+            ),
+            "networkPolicy.rayAllowFrom",
+        ),
     ],
 )
 def test_impossible_values_are_refused_with_the_fix(sets: tuple[str, ...], message: str) -> None:
@@ -190,9 +212,15 @@ def test_every_container_has_probes_and_resources(values: Path) -> None:
 @pytest.mark.parametrize("values", VARIANTS, ids=lambda p: p.name)
 def test_pods_run_as_non_root_with_read_only_roots_where_they_can(values: Path) -> None:
     for obj in rendered(values):
+        heads = (
+            [obj["spec"]["headGroupSpec"]["template"]["spec"]]
+            if obj["kind"] == "RayCluster"
+            else []
+        )
         for spec in pod_specs(obj):
             assert spec["securityContext"]["runAsNonRoot"] is True
-            assert spec["automountServiceAccountToken"] is False
+            # the head's autoscaler calls the Kubernetes API; nothing else needs a token
+            assert spec["automountServiceAccountToken"] is (spec in heads)
         if obj["kind"] in ("Deployment", "Job"):  # the TuneFleet processes
             for c in _containers(obj):
                 assert c["securityContext"]["readOnlyRootFilesystem"] is True, c["name"]
@@ -205,6 +233,11 @@ def test_gpu_groups_request_gpus_scale_from_zero_and_land_on_gpu_nodes() -> None
     assert ray["spec"]["authOptions"] == {"mode": "token", "secretName": "tf-tunefleet-ray-token"}
     head = ray["spec"]["headGroupSpec"]
     assert head["rayStartParams"]["num-cpus"] == "0"
+    # Serve replicas keep off the head (a Ray node label the replicas' selector excludes)
+    role = head["labels"][NODE_ROLE_LABEL]
+    assert role in NOT_FOR_REPLICAS and replica_label_selector() == {
+        NODE_ROLE_LABEL: f"!in({','.join(NOT_FOR_REPLICAS)})"
+    }
     groups = {g["groupName"]: g for g in ray["spec"]["workerGroupSpecs"]}
     assert set(groups) == {"cpu", "a100", "h100x8"}
     for name, gpus in (("a100", 1), ("h100x8", 8)):
@@ -318,12 +351,16 @@ def test_the_controller_attaches_to_a_ray_node_of_its_own_pod() -> None:
     spec = controller["spec"]["template"]["spec"]
     (node,) = spec["initContainers"]
     assert node["restartPolicy"] == "Always"  # a native sidecar: up before the controller
-    assert node["args"][:4] == [
+    assert node["args"][:5] == [
         "start",
         "--address=tf-tunefleet-ray-head-svc.tunefleet.svc.cluster.local:6379",
         "--num-cpus=0",
         "--num-gpus=0",
+        f"--labels={NODE_ROLE_LABEL}=controller",  # no Serve replica there
     ]
+    assert "controller" in NOT_FOR_REPLICAS
+    # its health is the raylet's, asked of the node's agent
+    assert "local_raylet_healthz" in " ".join(node["livenessProbe"]["exec"]["command"])
     main = container(controller, "controller")
     shared = {m["name"] for m in node["volumeMounts"]} & {m["name"] for m in main["volumeMounts"]}
     assert shared == {"tmp", "shm"}  # the raylet's sockets and the object store
@@ -351,3 +388,26 @@ def test_ingress_and_autoscaler_for_the_api() -> None:
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 12)
     assert "replicas" not in find(objects, "Deployment", "-api")["spec"]  # the HPA's to set
     assert find(objects, "PodDisruptionBudget", "-api")["spec"]["minAvailable"] == 1
+
+
+def test_the_readme_installs_with_the_minimal_values_the_tests_render() -> None:
+    readme = (CHART.parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", readme, re.S)
+    minimal = yaml.safe_load(variant("minimal").read_text())
+    assert minimal in [yaml.safe_load(b) for b in blocks]
+    docs = (CHART.parents[1] / "docs" / "kubernetes.md").read_text()
+    assert minimal in [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", docs, re.S)]
+    for command in re.findall(r"^helm install .*$", readme, re.M):
+        assert command in docs, command
+
+
+def test_a_generated_postgres_password_never_shows_in_a_pod_spec() -> None:
+    objects = rendered(variant("s3"))
+    (secret,) = [
+        o for o in objects if o["kind"] == "Secret" and "password" in o.get("stringData", {})
+    ]
+    password = secret["stringData"]["password"]
+    assert len(password) >= 32 and password in secret["stringData"]["url"]
+    for obj in objects:
+        if obj["kind"] != "Secret":
+            assert password not in yaml.safe_dump(obj)

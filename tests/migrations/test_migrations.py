@@ -6,10 +6,15 @@ from __future__ import annotations
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, text
 
 from tunefleet.platform.db import Base
-from tunefleet.platform.db.migrate import alembic_config, downgrade, upgrade
+from tunefleet.platform.db.migrate import (
+    alembic_config,
+    downgrade,
+    upgrade,
+    upgrade_unless_newer,
+)
 
 
 def _head(url: str) -> str:
@@ -54,3 +59,35 @@ def test_models_and_migrations_agree(db_url: str) -> None:
         diff = compare_metadata(ctx, Base.metadata)
     engine.dispose()
     assert diff == [], f"models and migrations differ: {diff}"
+
+
+def test_processes_starting_together_migrate_one_at_a_time(db_url: str) -> None:
+    """The Helm hook Job and two controllers upgrading an empty database at once: on
+    PostgreSQL an advisory lock lets one migrate and the others find it current (SQLite
+    serialises writers by itself)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from tunefleet.platform.db.migrate import upgrade_unless_newer; "
+        "print(upgrade_unless_newer(sys.argv[1]))"
+    )
+    processes = [
+        subprocess.Popen([sys.executable, "-c", code, db_url], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    results = [p.communicate(timeout=120)[0].strip() for p in processes]
+    assert [p.returncode for p in processes] == [0, 0, 0]
+    assert results == ["None", "None", "None"]
+    assert _current(db_url) == _head(db_url)
+
+
+def test_a_database_a_newer_release_migrated_is_used_with_a_warning(db_url: str) -> None:
+    upgrade(db_url)
+    engine = create_engine(db_url)
+    with engine.begin() as conn:  # as after a rollback of the release, not of the schema
+        conn.execute(text("UPDATE alembic_version SET version_num = '2099_01_01_0099'"))
+    engine.dispose()
+    warning = upgrade_unless_newer(db_url)
+    assert warning is not None and "2099_01_01_0099" in warning
+    assert "tunefleet db downgrade" in warning

@@ -87,14 +87,15 @@ def controller(
     TUNEFLEET_RAY_ADDRESS (a local Ray when unset). Start several for high availability:
     one leads through the database lease, the others stand by. /healthz answers 200 while
     its loop goes round, with whether it leads and its term."""
-    from tunefleet.platform.db.migrate import upgrade as migrate
+    from tunefleet.platform.db.migrate import upgrade_unless_newer
     from tunefleet.platform.lease import Lease
     from tunefleet.workers.backend import RayBackend
     from tunefleet.workers.controller import Controller
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = get_settings()
-    migrate(settings.resolved_database_url)
+    if warning := upgrade_unless_newer(settings.resolved_database_url):
+        logging.getLogger("tunefleet.controller").warning(warning)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

@@ -11,7 +11,14 @@ metadata:
   annotations: {{- toYaml . | nindent 4 }}
   {{- end }}
 spec:
-  {{- include "tunefleet.podSpecCommon" $root | nindent 2 }}
+  serviceAccountName: {{ include "tunefleet.serviceAccountName" $root }}
+  # the head's autoscaler sidecar calls the Kubernetes API (KubeRay binds its Role to this
+  # ServiceAccount); other Ray pods need no token
+  automountServiceAccountToken: {{ .head }}
+  securityContext: {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
+  {{- with $root.Values.image.pullSecrets }}
+  imagePullSecrets: {{- toYaml . | nindent 4 }}
+  {{- end }}
   containers:
     - name: {{ .container }}
       image: {{ if .gpus }}{{ include "tunefleet.gpuImage" $root }}{{ else }}{{ include "tunefleet.image" $root }}{{ end }}

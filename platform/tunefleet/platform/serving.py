@@ -20,9 +20,23 @@ from tunefleet.platform.errors import InvalidRequest, NotFound
 ServingMode = Literal["multiplexed", "merged"]
 
 
+# The newest adapters of a base model that every replica's node keeps on local disk, so
+# that the first request for one does not wait for object storage.
+PREFETCH_ADAPTERS = 64
+
+
 def serving_config(session: Session, base_model: str) -> dict[str, list[str]]:
-    """``{"merged": [adapter ids], "pinned": [adapter ids]}`` of one base model (adapter id =
-    the job that made it, its artifact key)."""
+    """``{"merged": [...], "pinned": [...], "prefetch": [...]}`` of one base model: adapter
+    ids (the job that made each, its artifact key) served merged, kept loaded, and copied
+    ahead of any request into each replica's node cache (the newest PREFETCH_ADAPTERS)."""
+    prefetch = list(
+        session.scalars(
+            select(Adapter.job_id)
+            .where(Adapter.base_model == base_model)
+            .order_by(Adapter.created_at.desc(), Adapter.job_id)
+            .limit(PREFETCH_ADAPTERS)
+        )
+    )
     rows = session.execute(
         select(Adapter.job_id, Adapter.serving_mode, Adapter.pinned)
         .where(
@@ -37,7 +51,7 @@ def serving_config(session: Session, base_model: str) -> dict[str, list[str]]:
             merged.append(job_id)
         if pin:
             pinned.append(job_id)
-    return {"merged": merged, "pinned": pinned}
+    return {"merged": merged, "pinned": pinned, "prefetch": prefetch}
 
 
 def describe(adapter: Adapter) -> dict[str, object]:

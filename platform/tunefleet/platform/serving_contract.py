@@ -55,3 +55,16 @@ def route_prefix(base_model: str) -> str:
 
 def app_name(base_model: str) -> str:
     return "tunefleet-" + "".join(c if c.isalnum() else "-" for c in base_model.lower())
+
+
+# Ray nodes of a cluster carry this label when they are not for serving (the Helm chart
+# sets it): the head, and the controllers' own nodes, which have no CPUs and no models.
+# Serve replicas ask for nodes without these roles.
+NODE_ROLE_LABEL = "tunefleet.io/role"
+NOT_FOR_REPLICAS = ("controller", "head")
+
+
+def replica_label_selector() -> dict[str, str]:
+    """The Ray label selector of a Serve replica: any node but those above (nodes without
+    the label, as every node of a single-machine Ray, qualify)."""
+    return {NODE_ROLE_LABEL: f"!in({','.join(NOT_FOR_REPLICAS)})"}

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.util import CommandError
 
 
 def migrations_dir() -> Path:
@@ -30,6 +31,22 @@ def alembic_config(url: str) -> Config:
 
 def upgrade(url: str, revision: str = "head") -> None:
     command.upgrade(alembic_config(url), revision)
+
+
+def upgrade_unless_newer(url: str) -> str | None:
+    """Upgrade to this release's head, as a process starting does; a database already
+    migrated by a newer release (a rollback) is left alone. Returns a warning then."""
+    try:
+        upgrade(url)
+    except CommandError as exc:
+        if "Can't locate revision" not in str(exc):
+            raise
+        return (
+            f"the database is at a revision this release does not know ({exc}); a newer "
+            "release migrated it. Running against it: roll back the schema with "
+            "`tunefleet db downgrade` from the newer release if this release cannot"
+        )
+    return None
 
 
 def downgrade(url: str, revision: str) -> None:

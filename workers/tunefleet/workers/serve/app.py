@@ -32,7 +32,12 @@ from ray import serve
 from transformers import AutoTokenizer
 
 from tunefleet.platform.artifacts import open_store
-from tunefleet.platform.serving_contract import ADAPTER_HEADER, ADAPTER_ID, SECRET_HEADER
+from tunefleet.platform.serving_contract import (
+    ADAPTER_HEADER,
+    ADAPTER_ID,
+    SECRET_HEADER,
+    replica_label_selector,
+)
 from tunefleet.platform.settings import get_settings
 from tunefleet.workers.serve.adapter_cache import AdapterCache, AdapterInUse, CacheFullError
 from tunefleet.workers.serve.adapters import AdapterError, load_serving_base, merge_into_copy
@@ -70,11 +75,13 @@ class ServingOptions(BaseModel):
 
 
 class ServingConfig(BaseModel):
-    """Which adapters a replica serves merged and which it keeps pinned."""
+    """Which adapters a replica serves merged, which it keeps pinned, and which its node
+    keeps copies of ahead of any request."""
 
     model_config = ConfigDict(extra="forbid")
     merged: list[str] = Field(default_factory=list)
     pinned: list[str] = Field(default_factory=list)
+    prefetch: list[str] = Field(default_factory=list)
 
 
 app = FastAPI()
@@ -103,7 +110,11 @@ async def require_secret(request: Request, call_next: Any) -> Response:
     return response
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+@serve.deployment(
+    # not on the head or a controller's node (no CPUs for work there, no models)
+    ray_actor_options={"num_cpus": 0, "label_selector": replica_label_selector()},
+    max_ongoing_requests=64,
+)
 @serve.ingress(app)
 class LoraServer:
     """One replica: the base weights, the adapter cache, the batching engine, and a merged
@@ -165,6 +176,8 @@ class LoraServer:
         self.merged: dict[str, BatchEngine] = {}  # adapter id -> engine of its merged copy
         self.applied = ServingConfig()
         self._config_lock = threading.Lock()
+        self._prefetched: set[str] = set()
+        self._prefetching: threading.Thread | None = None
 
     def _engine(self, lora: MultiLoraModel) -> BatchEngine:
         engine = BatchEngine(
@@ -184,7 +197,29 @@ class LoraServer:
         wanted = ServingConfig.model_validate(config)
         if wanted != self.applied:
             await asyncio.to_thread(self.apply_config, wanted)
+        self.prefetch(wanted.prefetch)
         return self.applied.model_dump()
+
+    def prefetch(self, adapter_ids: list[str]) -> None:
+        """Copy ``adapter_ids`` from object storage into this node's cache in a background
+        thread, newest first, so that a first request for one loads it from local disk
+        (a cold load as fast as from the local store). One thread at a time: ids it did
+        not reach come with the next push. Nothing to do with a local store."""
+        missing = [a for a in adapter_ids if a not in self._prefetched]
+        if not missing or (self._prefetching is not None and self._prefetching.is_alive()):
+            return
+
+        def copy_all() -> None:
+            for adapter_id in missing:
+                try:
+                    self.store.local_copy(self.store.adapter_key(adapter_id))
+                except Exception as exc:  # deleted meanwhile, storage away: on request then
+                    log.warning("cannot prefetch adapter %s: %s", adapter_id, exc)
+                    continue
+                self._prefetched.add(adapter_id)
+
+        self._prefetching = threading.Thread(target=copy_all, name="prefetch", daemon=True)
+        self._prefetching.start()
 
     def apply_config(self, wanted: ServingConfig) -> None:
         """Serve ``wanted.merged`` adapters merged and keep ``wanted.pinned`` loaded; requests
