@@ -14,9 +14,11 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +215,25 @@ def make_tenant(url: str, name: str) -> str:
     with session_scope(url) as s:
         tenant = create_tenant(s, name)
         return create_key(s, tenant.id)[1]
+
+
+CLI = [sys.executable, "-m", "tunefleet.cli.main"]
+
+
+def create_tenants(env: dict[str, str], names: Iterable[str]) -> dict[str, str]:
+    """``tunefleet admin create-tenant`` for each name, as an operator runs it: each
+    tenant's first API key."""
+    keys = {}
+    for name in names:
+        out = subprocess.run(
+            [*CLI, "admin", "create-tenant", name],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        keys[name] = json.loads(out.stdout.strip().splitlines()[-1])["api_key"]
+    return keys
 
 
 def add_chat_file(session: Any, store: Any, tenant_id: str, file_id: str, copies: int) -> str:

@@ -24,7 +24,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import TINY, _create_pg_database
+from conftest import CLI, TINY, _create_pg_database, create_tenants
 from helmchart import CHART, container, find, render
 from raycluster import free_port, ray_cluster, ray_node, stop_process
 from s3 import new_bucket
@@ -44,7 +43,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 ANSWERS = {"acme": "red green blue", "globex": "one two three"}
 QUESTIONS = ["what color is an apple", "name a number", "what is a banana", "say hi"]
-CLI = [sys.executable, "-m", "tunefleet.cli.main"]
 STEPS = 25  # one step per epoch (4 examples, batch 4)
 
 
@@ -113,16 +111,7 @@ def cluster(
         env["controller"]["TUNEFLEET_CONTROLLER_INTERVAL_S"] = "0.3"  # quick passes
         migrate = [*CLI, *pods["migrate"]["args"]]
         subprocess.run(migrate, env=env["migrate"], check=True, capture_output=True)
-        keys = {}
-        for tenant in ANSWERS:
-            out = subprocess.run(
-                [*CLI, "admin", "create-tenant", tenant],
-                env=env["api"],
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            keys[tenant] = json.loads(out.stdout.strip().splitlines()[-1])["api_key"]
+        keys = create_tenants(env["api"], ANSWERS)
         try:
             apis, controllers = [], []
             for i in range(2):  # each with the chart's worker processes (one /metrics)

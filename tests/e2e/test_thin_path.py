@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import auth
+from conftest import auth, create_tenants
 from raycluster import free_port, stop_process
 from s3 import new_bucket
 from tunefleet.platform.artifacts import open_store
@@ -87,15 +87,7 @@ def stack(
         printed = re.search(r"export OPENAI_API_KEY=(tf-\S+)", log_path.read_text())
         assert printed, log_path.read_text()
         keys = {"admin": printed.group(1)}  # tenant 'default', an admin key, shown once
-        for tenant in ("acme", "globex"):
-            out = subprocess.run(
-                [*cli, "admin", "create-tenant", tenant],
-                env=env,
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            keys[tenant] = json.loads(out.stdout.strip().splitlines()[-1])["api_key"]
+        keys.update(create_tenants(env, ("acme", "globex")))
         yield {
             "url": url,
             "serve": f"http://127.0.0.1:{env['TUNEFLEET_SERVE_PORT']}",

@@ -172,9 +172,13 @@ class Settings(BaseSettings):
 
     @property
     def resolved_artifact_root(self) -> Path:
-        """The local artifact folder (with an s3:// artifact root: its local copies)."""
+        """The local artifact folder; an s3:// artifact root has none (``artifact_location``
+        names either, ``artifacts.artifact_store`` opens either)."""
         if self.artifact_root.startswith("s3://"):
-            return self.resolved_artifact_cache
+            raise ValueError(
+                f"the artifact root {self.artifact_root} is object storage, not a folder; "
+                "open it with tunefleet.platform.artifacts.artifact_store"
+            )
         return Path(self.artifact_root or self.data_dir / "artifacts").resolve()
 
     @property

@@ -529,12 +529,11 @@ class Controller:
             job = s.get(Job, job_id)
             if job is None:  # the job is gone: so is what its run had to say
                 return False
-            if records:
-                apply(s, job, sid, records)
+            written = apply(s, job, sid, records) if records else 0
             stop = wanted_stop(job.status, job.ray_submission_id, sid)
             current = job.status == S.RUNNING.value and job.ray_submission_id == sid
         if records:
-            self.backend.ack(sid, max(r["seq"] for r in records))
+            self.backend.ack(sid, written)
         if sid not in self._asked or self._asked[sid] != stop:
             self.backend.ask_stop(sid, stop)
             self._asked[sid] = stop
@@ -562,17 +561,19 @@ class Controller:
                 continue
             with moved_on(job_id), self._job_alone(job_id):
                 info = self.backend.run_status(sid)
-                if info.status == NOT_FOUND:
-                    log.warning("run %s of %s is unknown to Ray; submitting it", sid, job_id)
-                    self._submit(job_id, sid)
-                elif info.status == SUCCEEDED:
+                if info.status == SUCCEEDED:
                     self.relay(job_id, sid)  # its last words first
                     self._succeed(job_id)
                 elif info.status in (FAILED, STOPPED):
                     self.relay(job_id, sid)  # the error it recorded, if any
                     self._run_failed(job_id, sid, ray_reason(info.message))
                 elif lost := lost_nodes(placement):
+                    # also a run Ray no longer knows whose nodes went with it (a restarted
+                    # embedded Ray has new ones): placed again, not submitted there again
                     self._node_lost(job_id, sid, lost)
+                elif info.status == NOT_FOUND:
+                    log.warning("run %s of %s is unknown to Ray; submitting it", sid, job_id)
+                    self._submit(job_id, sid)
                 else:
                     failpoint("follow.running")
 
