@@ -62,9 +62,9 @@ def test_models_and_migrations_agree(db_url: str) -> None:
 
 
 def test_processes_starting_together_migrate_one_at_a_time(db_url: str) -> None:
-    """The Helm hook Job and two controllers upgrading an empty database at once: on
-    PostgreSQL an advisory lock lets one migrate and the others find it current (SQLite
-    serialises writers by itself)."""
+    """The Helm hook Job and two controllers upgrading an empty database at once: one
+    migrates and the others find it current (a PostgreSQL advisory lock; for a SQLite
+    file, a lock file beside it)."""
     import subprocess
     import sys
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from alembic import command
@@ -30,7 +33,23 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    command.upgrade(alembic_config(url), revision)
+    """Migrate to ``revision``, one process at a time: PostgreSQL through an advisory lock
+    (``migrations/env.py``), a SQLite file through a lock file beside it."""
+    with _sqlite_lock(url):
+        command.upgrade(alembic_config(url), revision)
+
+
+@contextlib.contextmanager
+def _sqlite_lock(url: str) -> Iterator[None]:
+    path = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else ""
+    if not path or path.startswith(":memory:"):
+        yield
+        return
+    lock = Path(path).with_name(Path(path).name + ".migrate-lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def upgrade_unless_newer(url: str) -> str | None:
