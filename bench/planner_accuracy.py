@@ -135,16 +135,10 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
 
     # warm-up step: lazily created optimizer states and library buffers exist afterwards
     step()
-    # The same step twice more, each from a reset peak-RSS mark, keeping the lower peak:
-    # the high-water mark also counts allocator slack that varies from step to step (seen
-    # 25% apart under a loaded machine), never less than the step needs.
-    peaks = []
-    for _ in range(2):
-        optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark
-        peaks.append(step())
-    peak = min(peaks)
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark
+    peak = step()
 
     def nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
