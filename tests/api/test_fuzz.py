@@ -2,10 +2,11 @@
 
 Every operation in ``/openapi.json`` is called with requests generated from its schema,
 valid ones and (where the schema leaves room) invalid ones, in process through the ASGI
-app, authenticated with a real admin key, on a database seeded with a real file, a job
-and a fine-tuned model of it. About half the requests take those real ids (and the ids
-of what earlier requests made) in place of generated ones, so routes get past their
-lookups; one in twenty goes without a valid key. Each answer must:
+app, authenticated with a real admin key, on a database seeded with a real file, two jobs
+and a fine-tuned model of each (one for model deletion alone). About half the requests
+take those real ids (and the ids of what earlier requests made) in place of generated
+ones, so routes get past their lookups; one in twenty goes without a valid key. Each
+answer must:
 
 - not be a server error (5xx). The exceptions: the inference routes answer 503
   ``unavailable`` ("serving ... is not reachable"), and ``/readyz`` 503 naming Ray as
@@ -71,6 +72,7 @@ CHECKS = [
 SERVING = {"POST /v1/chat/completions", "POST /v1/completions"}
 # Operations that must have answered 200 at least once: proof the real ids got through.
 MUST_RESOLVE = {
+    "DELETE /v1/models/{model}",
     "GET /v1/files/{file_id}",
     "GET /v1/files/{file_id}/content",
     "GET /v1/fine_tuning/jobs/{job_id}",
@@ -127,25 +129,35 @@ def world(settings: Settings) -> Iterator[World]:
     app = create_app(settings)
     with TestClient(app) as client:
         file_id = upload_chat(client, key)["id"]
-        job = client.post(
-            "/v1/fine_tuning/jobs", headers=H(key), json={"model": TINY, "training_file": file_id}
-        )
-        assert job.status_code == 200, job.text
-        job_id = job.json()["id"]
-    model = f"ft:{TINY}:fuzz::{job_id}"
-    with session_scope(url) as s:
-        s.add(
-            Adapter(
-                id=new_id("adapter"),
-                tenant_id=ids["tenant"],
-                job_id=job_id,
-                name=model,
-                base_model=TINY,
-                path=f"adapters/{job_id}",
+        job_ids = []
+        for _ in range(2):
+            job = client.post(
+                "/v1/fine_tuning/jobs",
+                headers=H(key),
+                json={"model": TINY, "training_file": file_id},
             )
-        )
-    # real values by parameter name, or "body:<field>" for a top-level body field
+            assert job.status_code == 200, job.text
+            job_ids.append(job.json()["id"])
+    job_id = job_ids[0]
+    # the second job's model is the one DELETE /v1/models/{model} may delete, so that the
+    # operations after it still find the first
+    model, doomed = (f"ft:{TINY}:fuzz::{j}" for j in job_ids)
+    with session_scope(url) as s:
+        for name, made_by in ((model, job_ids[0]), (doomed, job_ids[1])):
+            s.add(
+                Adapter(
+                    id=new_id("adapter"),
+                    tenant_id=ids["tenant"],
+                    job_id=made_by,
+                    name=name,
+                    base_model=TINY,
+                    path=f"adapters/{made_by}",
+                )
+            )
+    # real values by parameter name, or "body:<field>" for a top-level body field; a key
+    # "<operation> <name>" holds one operation's own
     values = {
+        "DELETE /v1/models/{model} model": [doomed, TINY],
         "file_id": [file_id],
         "job_id": [job_id],
         "after": [job_id],
@@ -174,7 +186,8 @@ def _use_real_values(case: Any, world: World) -> None:
         containers.append(("body:", case.body))
     for prefix, container in containers:
         for name in list(container):
-            pool = world.values.get(prefix + name)
+            own = world.values.get(f"{case.operation.label} {prefix}{name}")
+            pool = own or world.values.get(prefix + name)
             if pool and rng.random() < 0.5:
                 container[name] = rng.choice(pool)
     if case.operation.label in SERVING and isinstance(case.body, dict) and rng.random() < 0.5:

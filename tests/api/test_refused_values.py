@@ -155,10 +155,15 @@ def test_a_hyperparameter_as_a_string_or_a_bool_is_held_to_its_bounds(
 
 @pytest.mark.parametrize(
     "metadata,says",
-    [({"k" * 65: "v"}, "is 65 characters; at most 64"), ({"k": "v" * 513}, "at most 512")],
+    [
+        ({"k" * 65: "v"}, "is 65 characters; at most 64"),
+        ({"k": "v" * 513}, "value of 'k' is 513 characters; at most 512"),
+        ({"k": 5}, "value of 'k' is 5, not a string; values are strings of at most 512"),
+        ({f"k{i}": "v" for i in range(17)}, "17 keys; at most 16 are allowed (remove 'k16')"),
+    ],
 )
 def test_metadata_keys_and_values_are_bounded_as_openai_bounds_them(
-    app_client: TestClient, key_a: str, metadata: dict[str, str], says: str
+    app_client: TestClient, key_a: str, metadata: dict[str, Any], says: str
 ) -> None:
     body = {"model": TINY, "training_file": "file-x", "metadata": metadata}
     resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body)

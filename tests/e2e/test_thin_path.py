@@ -472,7 +472,7 @@ def test_a_bad_request_to_serving_fails_alone(
         ),
         (
             "/v1/completions",
-            {"model": model, "prompt": ["hi"] * 5, "n": 16},
+            {"model": model, "prompt": ["hi"] * 5, "n": 26},  # 130 choices: over 128
             "n",
             "too_many_choices",
         ),
@@ -509,6 +509,273 @@ def test_a_bad_request_to_serving_fails_alone(
     again = client.post("/v1/chat/completions", json=good)  # and loads again on demand
     assert again.status_code == 200
     assert again.json()["choices"][0]["message"]["content"].strip() == ANSWER
+
+
+@pytest.fixture(scope="module")
+def sdk(stack: dict[str, Any], acme_job: dict[str, Any]) -> Iterator[Any]:
+    """The official SDK as a user makes it (its default retries on) against the running
+    API, with every response it got, retries included: a 5xx would be retried silently."""
+    from openai import OpenAI
+
+    seen: list[httpx.Response] = []
+    http = httpx.Client(event_hooks={"response": [seen.append]}, timeout=300)
+    client = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["keys"]["acme"], http_client=http)
+    assert client.max_retries == 2
+    client.seen = seen  # type: ignore[attr-defined]
+    yield client
+    http.close()
+
+
+def _no_server_errors(sdk: Any) -> None:
+    failed = [(r.request.url.path, r.status_code) for r in sdk.seen if r.status_code >= 500]
+    assert not failed, failed
+
+
+def test_openai_sdk_chat_parameters_are_honoured_or_refused_by_name(
+    sdk: Any, acme_job: dict[str, Any], tiny_registry: Path
+) -> None:
+    """Every chat parameter a client sends is acted on or refused with a 400 that names
+    it (issue 20): content parts, n, top_p 0, penalties, logit_bias, logprobs, structured
+    outputs; tools, images, unknown arguments and schema errors are BadRequestErrors."""
+    import openai
+    from pydantic import BaseModel, Field
+    from transformers import AutoTokenizer
+
+    model = acme_job["job"]["fine_tuned_model"]
+    ask = [{"role": "user", "content": "what is a banana"}]
+
+    def chat(**kwargs: Any) -> Any:
+        return sdk.chat.completions.create(
+            **{"model": model, "messages": ask, "temperature": 0, "max_tokens": 8, **kwargs}
+        )
+
+    plain = chat()
+    assert plain.choices[0].message.content.strip() == ANSWER
+    parts = [{"type": "text", "text": "what is"}, {"type": "text", "text": "a banana"}]
+    joined = chat(messages=[{"role": "user", "content": "what is\na banana"}])
+    by_parts = chat(
+        messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": parts}]
+    )
+    assert by_parts.choices[0].message.content.strip() == ANSWER
+    assert chat(messages=[{"role": "user", "content": parts}]).choices[0].message.content == (
+        joined.choices[0].message.content
+    )
+    assert len(chat(n=17, temperature=1, seed=3).choices) == 17
+    assert (
+        chat(temperature=1, top_p=0).choices[0].message.content == plain.choices[0].message.content
+    )
+
+    # logprobs: one entry per token, the sampled (greedy) token the likeliest of the top 3
+    lp = chat(logprobs=True, top_logprobs=3).choices[0]
+    content = lp.logprobs.content
+    assert len(content) == 8 or lp.finish_reason == "stop"
+    assert "".join(t.token for t in content) == lp.message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob) and t.logprob <= 0
+        assert bytes(t.bytes).decode("utf-8", errors="replace") == t.token
+    streamed = chat(logprobs=True, stream=True)
+    tokens = [
+        t.token
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
+    assert "".join(tokens) == lp.message.content
+
+    # logit_bias +100 on one token: every token is it; penalties are accepted and act
+    tok = AutoTokenizer.from_pretrained(tiny_registry / TINY)
+    x = tok("x")["input_ids"][0]
+    forced = chat(logit_bias={str(x): 100}, max_tokens=4)
+    assert forced.choices[0].message.content == tok.decode([x] * 4)
+    penalised = chat(logit_bias={str(x): 3}, frequency_penalty=2, presence_penalty=2, max_tokens=4)
+    assert penalised.choices[0].message.content != forced.choices[0].message.content
+
+    # structured outputs on the fine-tuned adapter, the SDK's own parse()
+    class Fruit(BaseModel):
+        color: str = Field(max_length=12)
+        sweet: bool
+        rating: int = Field(ge=1, le=5)
+
+    parsed = sdk.chat.completions.parse(
+        model=model, messages=ask, response_format=Fruit, temperature=0.7, seed=1, max_tokens=80
+    )
+    fruit = parsed.choices[0].message.parsed
+    assert isinstance(fruit, Fruit) and 1 <= fruit.rating <= 5, parsed
+    shaped = chat(
+        max_tokens=40,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {
+                "name": "label",
+                "schema": {
+                    "type": "object",
+                    "properties": {"label": {"enum": ["yes", "no"]}},
+                    "required": ["label"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+    )
+    assert json.loads(shaped.choices[0].message.content)["label"] in ("yes", "no")
+
+    # no token limit: as much as the context leaves (the base model never stops)
+    long = sdk.chat.completions.create(model=TINY, messages=ask, temperature=0)
+    assert long.usage.completion_tokens > 256 or long.choices[0].finish_reason == "stop"
+
+    refused = [
+        (dict(max_tokens=5000), "context_length_exceeded", "messages"),
+        (
+            dict(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                    }
+                ]
+            ),
+            "unsupported_content_type",
+            "image_url",
+        ),
+        (
+            dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+            "unsupported_parameter",
+            "tools",
+        ),
+        (dict(extra_body={"frobnicate": 1}), "unrecognized_argument", "frobnicate"),
+        (dict(temperature=5), "invalid_request", "temperature"),
+        (dict(logprobs=False, top_logprobs=2), "unsupported_parameter", "top_logprobs"),
+        (
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "frob"}}},
+                    },
+                }
+            ),
+            "invalid_schema",
+            "response_format",
+        ),
+        (dict(logit_bias={"999999": 5}), "invalid_value", "logit_bias"),
+    ]
+    sent = len(sdk.seen)
+    for kwargs, code, named in refused:
+        with pytest.raises(openai.BadRequestError) as bad:
+            chat(**kwargs)
+        assert bad.value.code == code, (kwargs, bad.value.body)
+        assert named in bad.value.message, (kwargs, bad.value.message)
+    assert len(sdk.seen) - sent == len(refused)  # a 400 is not retried
+    _no_server_errors(sdk)
+
+
+def test_openai_sdk_completions_take_token_ids_echo_logprobs_and_best_of(
+    sdk: Any, acme_job: dict[str, Any], tiny_registry: Path
+) -> None:
+    import openai
+    from transformers import AutoTokenizer
+
+    model = acme_job["job"]["fine_tuned_model"]
+    tok = AutoTokenizer.from_pretrained(tiny_registry / TINY)
+    prompt = "an apple is"
+    ids = tok(prompt)["input_ids"]
+
+    def complete(**kwargs: Any) -> Any:
+        return sdk.completions.create(
+            **{"model": model, "temperature": 0, "max_tokens": 6, **kwargs}
+        )
+
+    text = complete(prompt=prompt).choices[0].text
+    assert complete(prompt=ids).choices[0].text == text
+    assert [c.text for c in complete(prompt=[ids, ids]).choices] == [text, text]
+    assert complete(prompt=prompt, echo=True).choices[0].text == prompt + text
+    with_logprobs = complete(prompt=prompt, logprobs=2)
+    lp = with_logprobs.choices[0].logprobs
+    # a token per completion token (one holding part of a character is named bytes:\xNN)
+    count = with_logprobs.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == count
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(prompt + text)
+    for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True):
+        assert len(top) <= 2 and max(top.values()) == pytest.approx(v), lp  # greedy: the top
+    assert lp.text_offset[0] == len(prompt)
+    best = complete(prompt=prompt, temperature=1, seed=2, best_of=3, n=1)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    one = len(tok(best.choices[0].text)["input_ids"])
+    assert best.usage.completion_tokens > one  # every candidate is billed, as OpenAI does
+    for kwargs, named in (
+        (dict(prompt=prompt, suffix="end"), "suffix"),
+        (dict(prompt=prompt, echo=True, logprobs=1), "echo"),
+        (dict(prompt=[10**9]), "prompt"),
+        (dict(prompt=prompt, best_of=1, n=2), "best_of"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=named):
+            complete(**kwargs)
+    _no_server_errors(sdk)
+
+
+def test_openai_sdk_fine_tuning_results_checkpoints_and_listings(
+    sdk: Any, stack: dict[str, Any], acme_job: dict[str, Any]
+) -> None:
+    """What the SDK reads of a finished job: the results CSV, checkpoints (paged, and
+    callable as models by their owner only), files paged, and refusals it must not retry."""
+    import openai
+    from openai import OpenAI
+
+    job = sdk.fine_tuning.jobs.retrieve(acme_job["job"]["id"])
+    assert job.metadata == {} and job.estimated_finish is None
+    [results] = job.result_files
+    assert sdk.files.retrieve(results).purpose == "fine-tune-results"
+    rows = sdk.files.content(results).text.splitlines()
+    assert rows[0] == "step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy"
+    assert [int(r.split(",")[0]) for r in rows[1:]] == list(range(1, 21))
+    assert all(0 <= float(r.split(",")[2]) <= 1 for r in rows[1:])
+    metrics = [
+        e for e in sdk.fine_tuning.jobs.list_events(job.id, limit=100) if e.type == "metrics"
+    ]
+    assert all("train_mean_token_accuracy" in e.data for e in metrics)
+    assert {e.level for e in sdk.fine_tuning.jobs.list_events(job.id, limit=100)} <= {
+        "info",
+        "warn",
+        "error",
+    }
+
+    # auto-pagination visits each checkpoint once and ends
+    checkpoints = list(sdk.fine_tuning.jobs.checkpoints.list(job.id, limit=1))
+    assert [c.step_number for c in checkpoints] == [20, 18, 16]
+    name = checkpoints[-1].fine_tuned_model_checkpoint
+    assert name == f"{job.fine_tuned_model}:ckpt-step-16"
+    answer = sdk.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": "what is a banana"}],
+        temperature=0,
+        max_tokens=8,
+    )
+    assert answer.model == name and answer.choices[0].message.content.strip() == ANSWER
+    globex = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["keys"]["globex"])
+    with pytest.raises(openai.NotFoundError):
+        globex.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
+    gone = name.replace("ckpt-step-16", "ckpt-step-14")  # saved, then dropped by Ray Train
+    with pytest.raises(openai.NotFoundError, match="no longer kept"):
+        sdk.chat.completions.create(model=gone, messages=[{"role": "user", "content": "hi"}])
+
+    files = list(sdk.files.list(limit=1))
+    assert len(files) == len({f.id for f in files}) >= 2
+    base = sdk.models.retrieve(TINY)
+    assert base.created > 0
+
+    # refusals a retry cannot help are sent once; a schema error is a 400, not a 422
+    sent = len(sdk.seen)
+    with pytest.raises(openai.ConflictError):
+        sdk.fine_tuning.jobs.pause(job.id)
+    assert len(sdk.seen) - sent == 1
+    with pytest.raises(openai.BadRequestError, match="n_epochs"):
+        sdk.fine_tuning.jobs.create(
+            model=TINY,
+            training_file=files[-1].id,
+            method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": "lots"}}},
+        )
+    _no_server_errors(sdk)
 
 
 def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_cancel_stops(
@@ -621,3 +888,22 @@ def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_can
     assert job["status"] == "cancelled"
     assert 1 <= len(_steps(events)) < STEPS, "stopped before its end"
     assert not stack["store"].exists(stack["store"].adapter_key(job["id"]))
+
+
+def test_openai_sdk_deletes_a_fine_tuned_model_and_it_stops_answering(
+    sdk: Any, acme_job: dict[str, Any]
+) -> None:
+    """Last in this module: it deletes acme's model."""
+    import openai
+
+    model = acme_job["job"]["fine_tuned_model"]
+    deleted = sdk.models.delete(model)
+    assert deleted.deleted and deleted.id == model
+    assert model not in [m.id for m in sdk.models.list()]
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.delete(model)
+    with pytest.raises(openai.PermissionDeniedError, match="base model"):
+        sdk.models.delete(TINY)
+    _no_server_errors(sdk)

@@ -91,3 +91,35 @@ def test_a_database_a_newer_release_migrated_is_used_with_a_warning(db_url: str)
     warning = upgrade_unless_newer(db_url)
     assert warning is not None and "2099_01_01_0099" in warning
     assert "tunefleet db downgrade" in warning
+
+
+def test_event_levels_become_openais(db_url: str) -> None:
+    """20261202_0008: events stored with level "warning" read "warn", as OpenAI names it."""
+    upgrade(db_url, "20261201_0007")
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO tenants (id, name, created_at, max_concurrent_jobs, max_gpus) "
+                "VALUES ('t', 't', 0, 1, 1)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO jobs (id, tenant_id, status, model, training_file, spec, request, "
+                "metadata, result_files, priority, attempt, created_at, updated_at) VALUES "
+                "('j', 't', 'running', 'm', 'f', '{}', '{}', '{}', '[]', 0, 0, 0, 0)"
+            )
+        )
+        for i, level in enumerate(["info", "warning", "error", "warning"]):
+            conn.execute(
+                text(
+                    "INSERT INTO job_events (id, job_id, created_at, level, type, message) "
+                    f"VALUES ('e{i}', 'j', 0, '{level}', 'message', 'm')"
+                )
+            )
+    upgrade(db_url)
+    with engine.connect() as conn:
+        levels = conn.execute(text("SELECT level FROM job_events ORDER BY id")).scalars()
+        assert list(levels) == ["info", "warn", "error", "warn"]
+    engine.dispose()

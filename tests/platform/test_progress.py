@@ -96,9 +96,37 @@ def test_a_record_that_cannot_be_written_is_skipped_alone(settings: Settings) ->
     with session_scope(url) as s:
         events = list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id)))
         steps = [e.data["step"] for e in events if e.type == "metrics"]
-        warned = [e.message for e in events if e.level == "warning"]
+        warned = [e.message for e in events if e.level == "warn"]
     assert steps == [1, 3]
     assert len(warned) == 1 and warned[0].startswith("A report of run r-1 was skipped")
+
+
+def test_the_eta_is_set_on_a_running_job_only(settings: Settings) -> None:
+    """A run's last reports arrive after its job was paused or cancelled: its
+    estimated_finish, cleared by the move, stays null."""
+    from tunefleet.platform.status import JobStatus as S
+    from tunefleet.platform.status import transition
+
+    url = settings.resolved_database_url
+    job_id = _job(settings)
+    with session_scope(url) as s:
+        transition(s, job_id, S.VALIDATING_FILES, S.QUEUED, "queued")
+        transition(s, job_id, S.QUEUED, S.RUNNING, "running")
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        apply(s, job, "r-1", [{**_step(1), "eta_s": 60.0}])
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.estimated_finish is not None
+        transition(s, job_id, S.RUNNING, S.PAUSED, "paused")
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.estimated_finish is None
+        apply(s, job, "r-1", [{**_step(2), "eta_s": 30.0}])
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.estimated_finish is None and job.trained_tokens == 200
 
 
 @pytest.mark.parametrize(

@@ -30,9 +30,13 @@ def _job(url: str, status: JobStatus) -> str:
             result_files=[],
             priority=0,
             attempt=0,
+            estimated_finish=ETA,
         )
         s.add(job)
         return job.id
+
+
+ETA = 1_900_000_000  # an estimated_finish a running job's metrics set
 
 
 def test_terminal_states_have_no_way_out() -> None:
@@ -58,9 +62,12 @@ def test_every_pair_of_states(src: JobStatus, dst: JobStatus, migrated_url: str)
             assert job.status == dst.value
             assert [e.message for e in events] == [f"{src} -> {dst}"]
             assert (job.finished_at is not None) == (dst in TERMINAL)
+            # OpenAI: null unless running (paused, cancelled, failed, queued again)
+            assert job.estimated_finish == (ETA if dst is S.RUNNING else None)
         else:
             assert job.status == src.value
             assert events == []
+            assert job.estimated_finish == ETA
 
 
 def test_compare_and_set_loses_to_the_first_writer(migrated_url: str) -> None:
@@ -82,3 +89,17 @@ def test_the_table_says_where_a_cancel_and_a_pause_may_come_from() -> None:
     assert sources(S.CANCELLED) == [S.VALIDATING_FILES, S.QUEUED, S.RUNNING, S.PAUSED]
     assert sources(S.PAUSED) == [S.QUEUED, S.RUNNING]
     assert set(ACTIVE) == {S.VALIDATING_FILES, S.QUEUED, S.RUNNING, S.PAUSED}
+
+
+def test_an_event_has_one_of_openais_levels(migrated_url: str) -> None:
+    from tunefleet.platform.status import add_event
+
+    job_id = _job(migrated_url, S.RUNNING)
+    with session_scope(migrated_url) as s:
+        add_event(s, job_id, "said warning", level="warning")  # earlier code's spelling
+        add_event(s, job_id, "said warn", level="warn")
+        with pytest.raises(ValueError, match="'loud' is not one of info, warn, error"):
+            add_event(s, job_id, "said loud", level="loud")
+    with session_scope(migrated_url) as s:
+        levels = s.scalars(select(JobEvent.level).where(JobEvent.job_id == job_id))
+        assert list(levels) == ["warn", "warn"]

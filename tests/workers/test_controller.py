@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from conftest import add_chat_file
 from tunefleet.platform.artifacts import ArtifactStore
-from tunefleet.platform.db import Adapter, Job, session_scope
+from tunefleet.platform.db import Adapter, File, Job, session_scope
 from tunefleet.platform.jobs import JobCreateRequest, create_job, list_events
 from tunefleet.platform.lease import Lease, LeaseLost
 from tunefleet.platform.models import ModelRegistry
@@ -132,8 +132,54 @@ def test_admit_dispatch_and_a_cancel_racing_success(settings: Settings) -> None:
     ctl.tick()  # must not raise, must not overwrite the cancel
     with session_scope(url) as s:
         job = s.get(Job, job_id)
-        assert job is not None and job.status == "cancelled"
+        assert job is not None and job.status == "cancelled" and job.result_files == []
         assert list(s.scalars(select(Adapter))) == []
+        assert list(s.scalars(select(File).where(File.purpose == "fine-tune-results"))) == []
+    assert list(store.path("files").glob("*.csv")) == []  # written, then taken back
+
+
+def test_a_succeeded_job_has_its_step_metrics_as_a_results_file(settings: Settings) -> None:
+    """OpenAI's ``result_files``: the job succeeds naming a file of its tenant, purpose
+    fine-tune-results, holding a row per step of what its run reported."""
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    job_id = _job(settings)
+    url = settings.resolved_database_url
+    ctl.tick()
+    sid = f"{job_id}-1"
+    for step, metrics in [
+        (1, {"train_loss": 2.5, "train_mean_token_accuracy": 0.25}),
+        (2, {"train_loss": 1.5, "train_mean_token_accuracy": 0.5, "valid_loss": 1.75,
+             "valid_mean_token_accuracy": 0.375}),
+    ]:  # fmt: skip
+        twin.channels[sid].post(
+            [{"kind": "metrics", "step": step, "total_steps": 2, "metrics": metrics,
+              "trained_tokens": 10 * step, "eta_s": None}]
+        )  # fmt: skip
+    store = ArtifactStore(settings.resolved_artifact_root)
+    store.path(store.adapter_key(job_id)).mkdir(parents=True)
+    twin.status[sid] = SUCCEEDED
+    ctl.tick()
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "succeeded"
+        assert len(job.result_files) == 1
+        results = s.get(File, job.result_files[0])
+    assert results is not None and results.tenant_id == job.tenant_id
+    assert (results.purpose, results.filename, results.status, results.format) == (
+        "fine-tune-results",
+        "step_metrics.csv",
+        "processed",
+        "csv",
+    )
+    assert results.path == store.results_key(results.id)
+    content = b"".join(store.read_chunks(results.path))
+    assert results.bytes == len(content)
+    assert content.decode() == (
+        "step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy\n"
+        "1,2.5,0.25,,\n"
+        "2,1.5,0.5,1.75,0.375\n"
+    )
 
 
 def test_a_run_whose_node_left_is_stopped_and_the_job_goes_on_elsewhere(
@@ -361,7 +407,7 @@ def test_a_model_server_that_will_not_start_troubles_its_job_alone(settings: Set
         assert retried is not None and retried.status == "queued" and retried.failures == 1
         events, _ = list_events(s, done, limit=100)
     said = [e for e in events if "could not follow this job" in e.message]
-    assert len(said) == 1 and said[0].level == "warning"
+    assert len(said) == 1 and said[0].level == "warn"
     assert "serving base model 'tiny-llama' failed to start" in said[0].message
     assert "out of memory" in said[0].message
     assert twin.deployed == ["tiny-llama"]  # not again on every pass

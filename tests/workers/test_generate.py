@@ -15,6 +15,7 @@ from tunefleet.workers.serve.adapter_cache import AdapterCache
 from tunefleet.workers.serve.engine import BatchEngine, generate_all
 from tunefleet.workers.serve.generate import Finished, Sampling, TextStream, eos_ids
 from tunefleet.workers.serve.multilora import MultiLoraModel
+from tunefleet.workers.serve.structured import Grammars
 
 TINY = "tiny-llama"
 
@@ -30,7 +31,8 @@ def server(tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     lora = MultiLoraModel(base, max_adapters=2)
     slot = AdapterCache(lora, locate=lambda _: folder).acquire("ad1", hold=False)
-    engine = BatchEngine(lora, eos_ids(base, tok))
+    eos = eos_ids(base, tok)
+    engine = BatchEngine(lora, eos, grammars=Grammars(tok, eos))
     return {"path": path, "folder": folder, "tok": tok, "engine": engine, "slot": slot}
 
 
@@ -94,6 +96,12 @@ def test_stream_deltas_add_up_and_stop_strings_cut(server: dict[str, Any]) -> No
     assert cut.text == end.text[: end.text.index(stop)] and cut.finish_reason == "stop"
     *streamed, last = _stream(server, prompt, Sampling(20, 0, stop=(stop,)))
     assert "".join(streamed) == cut.text == last.text
+    # logprobs cover the tokens of the text kept, not those of the stop string after it
+    asked = complete(server, prompt, Sampling(20, 0, stop=(stop,), logprobs=0))
+    assert asked.logprobs is not None and asked.text == cut.text
+    tokens = [e.token for e in asked.logprobs]
+    decode = server["tok"].decode
+    assert len(decode(tokens[:-1])) < len(cut.text) <= len(decode(tokens))
 
 
 def test_seeded_sampling_repeats_and_top_p_narrows(server: dict[str, Any]) -> None:
@@ -112,3 +120,111 @@ def test_seeded_sampling_repeats_and_top_p_narrows(server: dict[str, Any]) -> No
     narrow = Sampling(max_tokens=10, temperature=1.0, top_p=1e-6, seed=3)
     greedy = Sampling(max_tokens=10, temperature=0)
     assert complete(server, prompt, narrow).token_ids == complete(server, prompt, greedy).token_ids
+    zero = Sampling(max_tokens=10, temperature=1.0, top_p=0, seed=3)  # OpenAI allows 0
+    assert complete(server, prompt, zero).token_ids == complete(server, prompt, greedy).token_ids
+
+
+def _tuned_model(server: dict[str, Any]) -> Any:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(server["path"], dtype=torch.float32)
+    return PeftModel.from_pretrained(base, server["folder"]).eval()
+
+
+def test_logprobs_are_the_models_own_log_softmax(server: dict[str, Any]) -> None:
+    """Each sampled token's logprob and the top 5 match log_softmax of the adapter model's
+    logits (peft, one sequence at a time) to within 1e-4, batched beside other rows."""
+    prompts = [server["tok"](q)["input_ids"] for q in ("name a fruit", "what is the sky")]
+    asked = Sampling(max_tokens=8, temperature=0.8, seed=5, logprobs=5)
+    plain = Sampling(max_tokens=8, temperature=0)
+    items = [(prompts[0], asked, server["slot"]), (prompts[1], plain, 0)]
+    got, other = generate_all(server["engine"], server["tok"], items)
+    assert other.logprobs is None and got.logprobs is not None
+    assert len(got.logprobs) == got.completion_tokens > 0
+    model = _tuned_model(server)
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompts[0] + got.token_ids])).logits[0]
+    reference = torch.log_softmax(logits.float(), -1)[len(prompts[0]) - 1 :]
+    for k, entry in enumerate(got.logprobs):
+        assert entry.token == got.token_ids[k]
+        assert abs(entry.logprob - float(reference[k, entry.token])) < 1e-4
+        top = reference[k].topk(5)
+        assert [t for t, _ in entry.top] == top.indices.tolist()
+        assert (
+            max(abs(lp - float(v)) for (_, lp), v in zip(entry.top, top.values, strict=True)) < 1e-4
+        )
+
+
+def test_penalties_and_logit_bias_follow_openais_formula(server: dict[str, Any]) -> None:
+    """Greedy decoding with logit_bias, presence and frequency penalties gives the tokens of
+    a plain loop over the adapter model that applies OpenAI's formula: logit + bias -
+    count x frequency - (count > 0) x presence."""
+    prompt = server["tok"]("name a fruit")["input_ids"]
+    plain = complete(server, prompt, Sampling(max_tokens=12, temperature=0), server["slot"])
+    banned = plain.token_ids[0]
+    s = Sampling(
+        max_tokens=12,
+        temperature=0,
+        presence_penalty=0.7,
+        frequency_penalty=1.3,
+        logit_bias=((banned, -100.0), (7, 2.5)),
+    )
+    got = complete(server, prompt, s, server["slot"])
+    model, ids, counts = _tuned_model(server), list(prompt), dict[int, int]()
+    eos = server["tok"].eos_token_id
+    with torch.inference_mode():
+        for _ in range(12):
+            scores = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            scores[banned] -= 100
+            scores[7] += 2.5
+            for t, c in counts.items():
+                scores[t] -= c * 1.3 + 0.7
+            token = int(scores.argmax())
+            if token == eos:
+                break
+            ids.append(token)
+            counts[token] = counts.get(token, 0) + 1
+    assert got.token_ids == ids[len(prompt) :]
+    assert banned not in got.token_ids and got.token_ids != plain.token_ids
+
+
+def test_a_grammar_constrains_every_row_of_a_mixed_batch(server: dict[str, Any]) -> None:
+    """Rows with a JSON schema (sampled, on the adapter and on the base) and a row without
+    share a batch: each constrained answer parses and follows its schema; the free row's
+    tokens are those it gets alone."""
+    import json
+
+    grammars: Grammars = server["engine"].grammars
+    schema = {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "count": {"type": "integer", "minimum": 0, "maximum": 99},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["color", "count", "ok"],
+        "additionalProperties": False,
+    }
+    grammar = grammars.compile({"type": "json_schema", "json_schema": {"schema": schema}})
+    any_object = grammars.compile({"type": "json_object"})
+    prompt = server["tok"]("give me json")["input_ids"]
+    free = Sampling(max_tokens=10, temperature=0)
+    items = [
+        (prompt, Sampling(max_tokens=60, temperature=1.0, seed=k, grammar=grammar), slot)
+        for k, slot in enumerate([0, server["slot"]] * 3)
+    ]
+    items += [(prompt, Sampling(max_tokens=60, temperature=0, grammar=any_object), 0)]
+    items += [(prompt, free, server["slot"])]
+    *constrained, unconstrained = generate_all(server["engine"], server["tok"], items)
+    for done in constrained[:-1]:
+        value = json.loads(done.text)
+        assert done.finish_reason == "stop"
+        assert set(value) == {"color", "count", "ok"} and value["color"] in ("red", "green", "blue")
+        assert 0 <= value["count"] <= 99 and isinstance(value["ok"], bool)
+    # json_object: an object (the greedy walk of a random model may run to its length)
+    if constrained[-1].finish_reason == "stop":
+        assert isinstance(json.loads(constrained[-1].text), dict)
+    else:
+        assert constrained[-1].text.startswith("{")
+    assert unconstrained.token_ids == complete(server, prompt, free, server["slot"]).token_ids

@@ -1,10 +1,12 @@
 """The loop's loss runs the output layer only at labelled positions (``loss.py``): it must
 be the model's own loss, with the model's own gradients, for every kind of batch and for
-methods that change the sequence (prompt tuning's virtual tokens) or the model (full)."""
+methods that change the sequence (prompt tuning's virtual tokens) or the model (full); the
+token accuracy from the same logits must be the share of label tokens argmax predicts."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 
 from tunefleet.platform.spec import JobSpec
 from tunefleet.workers.train.data import IGNORE, Example, collate, collate_packed, pack
-from tunefleet.workers.train.loss import LabelledLogits, mean_loss
+from tunefleet.workers.train.loss import LabelledLogits, correct_tokens, mean_loss
 from tunefleet.workers.train.methods import build_model
 
 
@@ -84,3 +86,40 @@ def test_the_loss_is_the_models_own(tiny: Path, method: str, packed: bool) -> No
 
     # outside a call the output layer is untouched: every position's logits
     assert model(**batch).logits.shape[:2][0] == batch["input_ids"].shape[0]
+
+
+class _Logits(torch.nn.Module):
+    """A "model" whose output layer (an identity) gets given logits as its hidden states."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.logits, self.head = logits, torch.nn.Identity()
+
+    def forward(self, **_: Any) -> Any:
+        return SimpleNamespace(logits=self.head(self.logits))
+
+
+def test_the_token_accuracy_is_the_argmax_share_of_label_tokens() -> None:
+    torch.manual_seed(0)
+    vocab = 11
+    labels = torch.randint(0, vocab, (3, 9))
+    labels[0, :4] = labels[1, 6:] = labels[2, ::3] = IGNORE  # prompts, padding, gaps
+    logits = torch.randn(3, 9, vocab)
+    # about half the predictions right, so the share is far from 0 and 1
+    right = (torch.rand(3, 8) < 0.5) & (labels[:, 1:] != IGNORE)
+    b, t = right.nonzero(as_tuple=True)
+    logits[b, t, labels[b, t + 1]] += 10.0
+    logits.requires_grad_()  # as in training: the count carries no gradient
+
+    model = _Logits(logits)
+    picked, targets = LabelledLogits(model.head)(model, {"input_ids": labels, "labels": labels})
+    correct = correct_tokens(picked, targets)
+
+    # directly: position t predicts token t+1, where that token has a label
+    gold = labels[:, 1:]
+    keep = gold != IGNORE
+    direct = logits[:, :-1].argmax(-1)[keep] == gold[keep]
+    assert len(targets) == int(keep.sum())
+    assert int(correct) == int(direct.sum()) >= int(right.sum()) > 0
+    assert float(correct) / len(targets) == float(direct.float().mean())
+    assert not correct.requires_grad and correct.dtype == torch.int64

@@ -215,6 +215,7 @@ def test_method_trains_and_saves(
             assert e.data["samples_per_s"] > 0 and e.data["tokens_per_s"] > 0
             assert 0 < e.data["mfu"] < 1 if native else e.data["mfu"] is None
             assert e.data["peak_memory_bytes"] > 2**20
+            assert 0 <= e.data["train_mean_token_accuracy"] <= 1
     # 8 examples (packed: 2 rows of 4) / batch 4 x 4 epochs
     assert len(losses) == (4 if options.get("packing") else 8), losses
     first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
@@ -449,17 +450,20 @@ def test_a_validation_file_is_scored_at_checkpoints(
     ray_env: dict[str, Any], runs: dict[str, Any]
 ) -> None:
     """Loss and next-token accuracy over the whole validation file at every epoch end (the
-    checkpoints) and at the end, on both workers' shares."""
+    checkpoints) and at the end, on both workers' shares; every step's training accuracy
+    counts both workers' label tokens."""
     job_id, error = runs["validated"]
     assert error is None, error
-    scored = {
-        e.data["step"]: e.data
-        for e in _events(ray_env, job_id)
-        if e.type == "metrics" and "full_valid_loss" in e.data
-    }
+    steps = [e.data for e in _events(ray_env, job_id) if e.type == "metrics"]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    for metrics in steps:
+        assert 0 <= metrics["train_mean_token_accuracy"] <= 1
+    scored = {m["step"]: m for m in steps if "full_valid_loss" in m}
     assert sorted(scored) == [2, 4]  # 2 steps per epoch
     for metrics in scored.values():
         assert 0 <= metrics["full_valid_mean_token_accuracy"] <= 1
+        assert metrics["valid_loss"] == metrics["full_valid_loss"]
+        assert metrics["valid_mean_token_accuracy"] == metrics["full_valid_mean_token_accuracy"]
     # the validation examples are the training examples' kind: their loss falls too
     assert scored[4]["full_valid_loss"] < scored[2]["full_valid_loss"]
 

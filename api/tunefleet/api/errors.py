@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,6 +20,19 @@ from tunefleet.platform.errors import TuneFleetError
 log = logging.getLogger(__name__)
 
 DATABASE_RETRY_AFTER_S = 2
+# Answers a retry of the same request cannot change: a state conflict (the job is no
+# longer pausable) and a quota. The OpenAI SDKs retry 409 and 429 on their own unless the
+# answer says ``x-should-retry: false``, which they obey.
+NOT_RETRYABLE = frozenset({409, 429})
+
+
+def retry_headers(status: int, headers: Mapping[str, str] | None = None) -> dict[str, str] | None:
+    """``headers`` (a ``Retry-After`` kept) plus ``x-should-retry: false`` for a status in
+    NOT_RETRYABLE."""
+    out = dict(headers or {})
+    if status in NOT_RETRYABLE:
+        out["x-should-retry"] = "false"
+    return out or None
 
 
 class RequestTooLarge(HTTPException):
@@ -57,6 +71,7 @@ def domain_error_response(exc: TuneFleetError) -> JSONResponse:
     return JSONResponse(
         status_code=exc.status_code,
         content=error_body(exc.message, exc.error_type, exc.param, exc.code),
+        headers=retry_headers(exc.status_code),
     )
 
 
@@ -127,7 +142,7 @@ def install_error_handlers(app: FastAPI) -> None:
                 None,
                 "invalid_request" if client else "internal_error",
             ),
-            headers=exc.headers,
+            headers=retry_headers(exc.status_code, exc.headers),
         )
 
     @app.exception_handler(Exception)

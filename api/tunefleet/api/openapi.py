@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
+from tunefleet.api.errors import NOT_RETRYABLE
 from tunefleet.platform.status import JobStatus
 
 
@@ -34,7 +35,7 @@ class ErrorResponse(BaseModel):
 _ERRORS: dict[int, str] = {
     400: "Invalid request: the body, a parameter or an uploaded file; `param` names it.",
     401: "Missing, unknown or revoked API key.",
-    403: "The key is not an admin key.",
+    403: "Not permitted: an admin route without an admin key, or deleting a base model.",
     404: "No such object, or not the caller's.",
     409: "The object's state does not allow it (e.g. cancelling a finished job).",
     413: "The body is over its limit (TUNEFLEET_MAX_UPLOAD_BYTES, "
@@ -48,6 +49,13 @@ _RETRY_AFTER = {
         "schema": {"type": "string"},
     }
 }
+_NO_RETRY = {
+    "x-should-retry": {
+        "description": "`false`: retrying the same request cannot succeed (the OpenAI SDKs "
+        "obey it rather than retrying 409 and 429).",
+        "schema": {"type": "string", "enum": ["false"]},
+    }
+}
 
 
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -58,6 +66,8 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         out[code] = {"model": ErrorResponse, "description": _ERRORS[code]}
         if code == 503:
             out[code]["headers"] = _RETRY_AFTER
+        if code in NOT_RETRYABLE:
+            out[code]["headers"] = _NO_RETRY
     return out
 
 
@@ -137,7 +147,7 @@ class JobObject(_Open):
     error: dict[str, Any] | None
     seed: int
     suffix: str | None
-    metadata: dict[str, str] | None
+    metadata: dict[str, str]
     result_files: list[Any]
     integrations: list[Any]
     user_provided_suffix: str | None

@@ -65,6 +65,11 @@ class Keys:
         return f"files/{file_id}.jsonl"
 
     @staticmethod
+    def results_key(file_id: str) -> str:
+        """A job's results file (``platform/results.py``), beside the uploads."""
+        return f"files/{file_id}.csv"
+
+    @staticmethod
     def adapter_key(job_id: str) -> str:
         return f"adapters/{job_id}"
 
@@ -73,10 +78,20 @@ class Keys:
         return f"merged/{job_id}"
 
     CHECKPOINTS = "checkpoints"  # Ray Train's storage_path: {job}/step-N below it
+    CHECKPOINT_WEIGHTS = "adapter"  # a checkpoint's weights, in its folder
 
     @classmethod
     def checkpoints_key(cls, job_id: str) -> str:
         return f"{cls.CHECKPOINTS}/{job_id}"
+
+    @staticmethod
+    def checkpoint_name(step: int) -> str:
+        """The folder of a job's checkpoint at ``step``, below ``checkpoints_key``."""
+        return f"step-{step:08d}"
+
+    @classmethod
+    def checkpoint_key(cls, job_id: str, step: int) -> str:
+        return f"{cls.checkpoints_key(job_id)}/{cls.checkpoint_name(step)}"
 
 
 class ArtifactStore(Keys):

@@ -8,6 +8,7 @@ stored request, never silently dropped.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import secrets
@@ -143,17 +144,28 @@ class JobCreateRequest(BaseModel):
             raise ValueError(f"suffix {v!r} must be 1-64 letters, digits, '-' or '_'")
         return v
 
-    @field_validator("metadata")
+    @field_validator("metadata", mode="before")
     @classmethod
-    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v is None:
+    def _metadata(cls, v: Any) -> Any:
+        """OpenAI's bounds: at most 16 pairs, keys of at most 64 characters, values strings
+        of at most 512; the refusal names the key. (Not an object: pydantic says so.)"""
+        if not isinstance(v, dict):
             return v
         if len(v) > 16:
-            raise ValueError(f"metadata has {len(v)} keys; at most 16 are allowed")
-        for key, value in v.items():  # OpenAI's bounds
+            extra = ", ".join(repr(str(k)[:20]) for k in list(v)[16:19])
+            raise ValueError(
+                f"metadata has {len(v)} keys; at most 16 are allowed (remove {extra}"
+                f"{', ...' if len(v) > 19 else ''})"
+            )
+        for key, value in v.items():
             if len(key) > 64:
                 raise ValueError(
                     f"metadata key {key[:20]!r}... is {len(key)} characters; at most 64"
+                )
+            if not isinstance(value, str):
+                raise ValueError(
+                    f"metadata value of {key!r} is {json.dumps(value, default=str)[:40]}, "
+                    "not a string; values are strings of at most 512 characters"
                 )
             if len(value) > 512:
                 raise ValueError(
@@ -484,7 +496,7 @@ def job_view(job: Job | Row[Any]) -> dict[str, Any]:
         "error": job.error,
         "seed": spec["seed"],
         "suffix": spec.get("suffix"),
-        "metadata": job.metadata_ or None,
+        "metadata": job.metadata_ or {},  # OpenAI's answer for none given
         "result_files": job.result_files,
         "integrations": job.request.get("integrations") or [],
         "user_provided_suffix": spec.get("suffix"),

@@ -45,6 +45,14 @@ class ModelRegistry:
     def path(self, name: str) -> Path:
         return self.root / name
 
+    def created(self, name: str) -> int:
+        """When ``name`` was added to the registry, in Unix seconds: its config.json's
+        modification time (written once, as the model is prepared; 0 if it is gone)."""
+        try:
+            return int((self.path(name) / "config.json").stat().st_mtime)
+        except FileNotFoundError:
+            return 0
+
     def config(self, name: str) -> dict[str, Any]:
         """The model's config.json, parsed once per process per file version."""
         path = self.path(name) / "config.json"

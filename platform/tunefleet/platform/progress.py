@@ -12,12 +12,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import case, update
 from sqlalchemy.orm import Session
 
 from tunefleet.platform.db.models import Checkpoint, Job, now_s
 from tunefleet.platform.ids import new_id
-from tunefleet.platform.status import add_event
+from tunefleet.platform.status import JobStatus, add_event
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,11 @@ def record_metrics(
     add_event(session, job_id, f"Step {step}/{total_steps}{loss_text}", type="metrics", data=data)
     values: dict[str, Any] = {"trained_tokens": trained_tokens, "updated_at": now_s()}
     if eta_s is not None:
-        values["estimated_finish"] = now_s() + int(eta_s)
+        # only on a running job: a run's last reports arrive after its job was paused or
+        # cancelled, whose estimated_finish stays null (status.transition)
+        values["estimated_finish"] = case(
+            (Job.status == JobStatus.RUNNING.value, now_s() + int(eta_s)), else_=None
+        )
     session.execute(update(Job).where(Job.id == job_id).values(**values))
 
 
@@ -106,7 +110,7 @@ def apply(session: Session, job: Job, run_id: str, records: list[dict[str, Any]]
                 session,
                 job.id,
                 f"A report of run {run_id} was skipped: {exc}"[:500],
-                level="warning",
+                level="warn",
             )
     if mark != (job.reported or {}):
         job.reported = mark

@@ -9,13 +9,17 @@ restart; replicas never read the database.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from tunefleet.platform.db import Adapter, AdapterShare, Tenant
+from tunefleet.platform.db import Adapter, AdapterShare, Checkpoint, Job, Tenant
 from tunefleet.platform.errors import InvalidRequest, NotFound
+from tunefleet.platform.serving_contract import checkpoint_adapter_id
+from tunefleet.platform.spec import fine_tuned_model_name
 
 ServingMode = Literal["multiplexed", "merged"]
 
@@ -75,6 +79,43 @@ def visible_adapter(session: Session, tenant_id: str, name: str) -> Adapter | No
             or_(Adapter.tenant_id == tenant_id, Adapter.id.in_(_shared_with(tenant_id))),
         )
     )
+
+
+# OpenAI's name of a job's checkpoint as a model: the job's model name, then the step.
+CHECKPOINT_MODEL = re.compile(r"(?P<model>ft:.+:(?P<job>[^:]+)):ckpt-step-(?P<step>[0-9]{1,9})")
+
+
+def checkpoint_model_name(job: Job, tenant_name: str, step: int) -> str:
+    model = fine_tuned_model_name(job.model, tenant_name, job.spec.get("suffix"), job.id)
+    return f"{model}:ckpt-step-{step}"
+
+
+@dataclass(frozen=True)
+class ServedCheckpoint:
+    base_model: str
+    adapter_id: str  # what Serve loads (``serving_contract.adapter_weights_key``)
+    path: str  # its folder in the artifact store
+
+
+def visible_checkpoint(session: Session, tenant_id: str, name: str) -> ServedCheckpoint | None:
+    """The checkpoint a ``...:ckpt-step-N`` model name stands for, if the tenant may call
+    it: one of its own jobs' (sharing a model shares that model, not how it was made)."""
+    matched = CHECKPOINT_MODEL.fullmatch(name)
+    if matched is None:
+        return None
+    job = session.get(Job, matched["job"])
+    owner = session.get(Tenant, job.tenant_id) if job is not None else None
+    if job is None or owner is None:
+        return None
+    step = int(matched["step"])
+    if job.tenant_id != tenant_id or checkpoint_model_name(job, owner.name, step) != name:
+        return None
+    checkpoint = session.scalar(
+        select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == step)
+    )
+    if checkpoint is None:
+        return None
+    return ServedCheckpoint(job.model, checkpoint_adapter_id(job.id, step), checkpoint.path)
 
 
 def visible_adapters(session: Session, tenant_id: str) -> list[tuple[Adapter, str]]:

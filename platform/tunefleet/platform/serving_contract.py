@@ -10,6 +10,7 @@ import re
 import secrets
 from pathlib import Path
 
+from tunefleet.platform.artifacts import Keys
 from tunefleet.platform.settings import Settings
 
 # The contract between the API's inference proxy and the Serve applications: each base
@@ -20,8 +21,27 @@ ADAPTER_HEADER = "serve_multiplexed_model_id"
 # Serve answers only the API: every request carries the shared secret in this header
 # (compared in constant time); without it 401, with another 403.
 SECRET_HEADER = "x-tunefleet-serve-secret"
-# An adapter id is the job id that made it (``ids.new_id("job")``).
-ADAPTER_ID = re.compile(r"ftjob-[A-Za-z0-9]{1,64}")
+# An adapter id is the job id that made it (``ids.new_id("job")``), or that id and one of
+# its checkpoints (``{job id}:ckpt-step-{N}``: the weights the job had at step N).
+ADAPTER_ID = re.compile(r"(ftjob-[A-Za-z0-9]{1,64})(?::ckpt-step-([0-9]{1,9}))?")
+
+
+def checkpoint_adapter_id(job_id: str, step: int) -> str:
+    return f"{job_id}:ckpt-step-{step}"
+
+
+def adapter_weights_key(adapter_id: str) -> str:
+    """Where in the artifact store the weights of ``adapter_id`` are: a job's adapter, or
+    the weights folder of one of its checkpoints."""
+    matched = ADAPTER_ID.fullmatch(adapter_id)
+    if matched is None:
+        raise ValueError(f"{adapter_id[:80]!r} is not an adapter id")
+    job_id, step = matched.groups()
+    if step is None:
+        return Keys.adapter_key(job_id)
+    return f"{Keys.checkpoint_key(job_id, int(step))}/{Keys.CHECKPOINT_WEIGHTS}"
+
+
 SECRET_FILE = "serve-secret"
 
 

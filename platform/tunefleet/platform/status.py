@@ -58,6 +58,12 @@ def sources(dst: JobStatus) -> list[JobStatus]:
 ACTIVE: tuple[JobStatus, ...] = tuple(s for s in JobStatus if s not in TERMINAL)
 
 
+# An event's levels, as OpenAI names them. "warning", which earlier code wrote (migration
+# 20261202_0008 rewrote those rows) and a run of it may still report, is stored as "warn".
+LEVELS = ("info", "warn", "error")
+_LEVEL_ALIASES = {"warning": "warn"}
+
+
 def add_event(
     session: Session,
     job_id: str,
@@ -67,7 +73,11 @@ def add_event(
     type: str = "message",
     data: dict[str, Any] | None = None,
 ) -> JobEvent:
-    """Append one event to a job's history (in the caller's transaction)."""
+    """Append one event to a job's history (in the caller's transaction). ``level`` is
+    one of LEVELS (or an alias of one); another is a ValueError."""
+    level = _LEVEL_ALIASES.get(level, level)
+    if level not in LEVELS:
+        raise ValueError(f"event level {level!r} is not one of {', '.join(LEVELS)}")
     event = JobEvent(
         id=new_id("event"),
         job_id=job_id,
@@ -104,6 +114,10 @@ def transition(
     values: dict[str, Any] = {"status": to.value, "updated_at": now_s(), **fields}
     if to in TERMINAL:
         values.setdefault("finished_at", now_s())
+    if to is not S.RUNNING:
+        # OpenAI's estimated_finish is null whenever the job is not running (paused,
+        # cancelled, failed, queued again); the next run's first metrics set it again
+        values.setdefault("estimated_finish", None)
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status.in_([s.value for s in sources]))

@@ -34,8 +34,9 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from tunefleet.platform import results
 from tunefleet.platform.artifacts import artifact_store
-from tunefleet.platform.db import Adapter, Job, JobEvent, Tenant, now_s, session_scope
+from tunefleet.platform.db import Adapter, File, Job, JobEvent, Tenant, now_s, session_scope
 from tunefleet.platform.errors import Conflict
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.lease import Lease, LeaseLost
@@ -593,7 +594,7 @@ class Controller:
                 f"Node(s) {', '.join(lost)} left the Ray cluster while Ray job {sid} ran "
                 "there; it was stopped, and the job continues from its newest checkpoint "
                 "on the nodes the scheduler picks next",
-                level="warning",
+                level="warn",
                 data={"ray_submission_id": sid, "lost_nodes": lost},
                 placement=None,
             )
@@ -613,7 +614,7 @@ class Controller:
             if self._trouble.get(job_id) != message:
                 self._trouble[job_id] = message
                 with self._writing() as s:
-                    add_event(s, job_id, message[:2000], level="warning")
+                    add_event(s, job_id, message[:2000], level="warn")
 
     def _fail_unreadable(self, job_id: str, status: JobStatus, exc: ValidationError) -> None:
         """Fail a job whose stored spec no longer validates (a value stored before a bound
@@ -679,7 +680,7 @@ class Controller:
                 f"Ray job {sid} failed ({message or 'no message'}); retrying from the newest "
                 f"checkpoint in {retry.delay_s}s (failure {retry.failures} of "
                 f"{MAX_RUN_FAILURES})",
-                level="warning",
+                level="warn",
                 data={
                     "ray_submission_id": sid,
                     "failures": retry.failures,
@@ -698,38 +699,74 @@ class Controller:
         with session_scope(self.db_url) as s:
             job = s.get(Job, job_id)
             assert job is not None
-            base = job.model
+            base, tenant_id = job.model, job.tenant_id
         # Serving first: a job reads succeeded only once its model answers.
         if not self.ensure_served(base):
             return  # its model server is still starting: a later pass looks again
-        with self._writing() as s:
-            job = s.get(Job, job_id)
-            assert job is not None
-            tenant = s.get(Tenant, job.tenant_id)
-            assert tenant is not None
-            spec = JobSpec.model_validate(job.spec)
-            name = fine_tuned_model_name(job.model, tenant.name, spec.suffix, job.id)
-            s.add(
-                Adapter(
-                    id=new_id("adapter"),
-                    tenant_id=job.tenant_id,
-                    job_id=job.id,
-                    name=name,
-                    base_model=job.model,
-                    path=key,
-                    serving_mode=serving_mode(spec.tunefleet.method),
+        # The results file's object before the rows naming it: a crash between the two
+        # leaves an object nothing names (the next pass writes another), never a row
+        # naming nothing; the job succeeds with its File row in one transaction.
+        step_metrics = self._write_results(job_id, tenant_id)
+        try:
+            with self._writing() as s:
+                job = s.get(Job, job_id)
+                assert job is not None
+                tenant = s.get(Tenant, job.tenant_id)
+                assert tenant is not None
+                spec = JobSpec.model_validate(job.spec)
+                name = fine_tuned_model_name(job.model, tenant.name, spec.suffix, job.id)
+                s.add(
+                    Adapter(
+                        id=new_id("adapter"),
+                        tenant_id=job.tenant_id,
+                        job_id=job.id,
+                        name=name,
+                        base_model=job.model,
+                        path=key,
+                        serving_mode=serving_mode(spec.tunefleet.method),
+                    )
                 )
+                s.add(step_metrics)
+                transition(
+                    s,
+                    job_id,
+                    S.RUNNING,
+                    S.SUCCEEDED,
+                    f"The job has successfully completed; fine-tuned model {name}",
+                    fine_tuned_model=name,
+                    estimated_finish=None,
+                    result_files=[step_metrics.id],
+                )
+        except (Conflict, LeaseLost):
+            # nothing was committed (the job moved on; this controller was deposed)
+            self.store.delete(step_metrics.path)
+            raise
+
+    def _write_results(self, job_id: str, tenant_id: str) -> File:
+        """Write the job's results file (``platform/results.py``) from its metrics events
+        into the artifact store; its File row, for the caller to add."""
+        with session_scope(self.db_url) as s:
+            events = s.scalars(
+                select(JobEvent.data)
+                .where(JobEvent.job_id == job_id, JobEvent.type == "metrics")
+                .order_by(JobEvent.seq)
             )
-            transition(
-                s,
-                job_id,
-                S.RUNNING,
-                S.SUCCEEDED,
-                f"The job has successfully completed; fine-tuned model {name}",
-                fine_tuned_model=name,
-                estimated_finish=None,
-                result_files=[],
-            )
+            content = results.step_metrics_csv(data for data in events if data)
+        file_id = new_id("file")
+        key = self.store.results_key(file_id)
+        self.store.write_bytes(key, content)
+        return File(
+            id=file_id,
+            tenant_id=tenant_id,
+            filename=results.FILENAME,
+            purpose=results.PURPOSE,
+            bytes=len(content),
+            status="processed",
+            format=results.FORMAT,
+            stats={},
+            path=key,
+            created_at=now_s(),
+        )
 
     def _fail(self, job_id: str, sid: str | None, message: str) -> None:
         with self._writing() as s:

@@ -3,10 +3,10 @@ delete. A file that fails validation is not kept."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import anyio.to_thread
-from fastapi import APIRouter, Form, UploadFile
+from fastapi import APIRouter, Form, Query, UploadFile
 from fastapi.responses import StreamingResponse
 from sqlalchemy import delete, exists, or_, select
 
@@ -97,15 +97,44 @@ async def upload_file(
     return file_view(row)
 
 
-@router.get("", responses=ok(FileList))
+@router.get("", responses={**ok(FileList), **errors(404)})
 async def list_files(
-    session: SessionDep, principal: PrincipalDep, purpose: str | None = None
+    session: SessionDep,
+    principal: PrincipalDep,
+    purpose: str | None = None,
+    after: Annotated[str | None, Query(description="A file id: list the files after it.")] = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+    order: Literal["asc", "desc"] = "desc",
 ) -> dict[str, Any]:
+    """The caller's files by ``created_at``, then id (a total order, so ``after`` pages
+    neither skip nor repeat a file), newest first unless ``order=asc``; OpenAI's bounds."""
     query = select(File).where(File.tenant_id == principal.tenant_id)
     if purpose:
         query = query.where(File.purpose == purpose)
-    rows = session.scalars(query.order_by(File.created_at.desc(), File.id))
-    return {"object": "list", "data": [file_view(f) for f in rows], "has_more": False}
+    if after:
+        anchor = session.get(File, after)
+        if anchor is None or anchor.tenant_id != principal.tenant_id:
+            raise NotFound(f"no file with id {after!r} to list after", param="after")
+        if order == "desc":
+            query = query.where(
+                (File.created_at < anchor.created_at)
+                | ((File.created_at == anchor.created_at) & (File.id < anchor.id))
+            )
+        else:
+            query = query.where(
+                (File.created_at > anchor.created_at)
+                | ((File.created_at == anchor.created_at) & (File.id > anchor.id))
+            )
+    if order == "desc":
+        query = query.order_by(File.created_at.desc(), File.id.desc())
+    else:
+        query = query.order_by(File.created_at, File.id)
+    rows = list(session.scalars(query.limit(limit + 1)))
+    return {
+        "object": "list",
+        "data": [file_view(f) for f in rows[:limit]],
+        "has_more": len(rows) > limit,
+    }
 
 
 @router.get("/{file_id}", responses={**ok(FileObject), **errors(404)})
@@ -117,7 +146,15 @@ async def get_file(file_id: str, session: SessionDep, principal: PrincipalDep) -
     "/{file_id}/content",
     response_class=StreamingResponse,
     responses={
-        **ok({"content": {"application/jsonl": {"schema": {"type": "string"}}}}, "The file."),
+        **ok(
+            {
+                "content": {
+                    "application/jsonl": {"schema": {"type": "string"}},
+                    "text/csv": {"schema": {"type": "string"}},
+                }
+            },
+            "The file: JSONL, or the CSV of a job's step metrics (purpose fine-tune-results).",
+        ),
         **errors(404),
     },
 )
@@ -125,7 +162,8 @@ def file_content(
     file_id: str, session: SessionDep, principal: PrincipalDep, store: StoreDep
 ) -> StreamingResponse:
     f = _get(session, principal, file_id)
-    return StreamingResponse(store.read_chunks(f.path), media_type="application/jsonl")
+    media = "text/csv" if f.format == "csv" else "application/jsonl"
+    return StreamingResponse(store.read_chunks(f.path), media_type=media)
 
 
 @router.delete("/{file_id}", responses={**ok(Deleted), **errors(404, 409)})

@@ -10,16 +10,18 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio.to_thread
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.orm import Session
 
-from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep
+from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep, StoreDep
 from tunefleet.api.openapi import errors, ok
+from tunefleet.platform.artifacts import Store
 from tunefleet.platform.errors import InvalidRequest, NotFound, Unavailable
 from tunefleet.platform.models import ModelRegistry
-from tunefleet.platform.serving import visible_adapter
+from tunefleet.platform.serving import visible_adapter, visible_checkpoint
 from tunefleet.platform.serving_contract import (
     ADAPTER_HEADER,
     SECRET_HEADER,
@@ -44,19 +46,40 @@ _CHAT_BODY: dict[str, Any] = {
             "items": {
                 "type": "object",
                 "required": ["role", "content"],
-                "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+                "properties": {
+                    "role": {"type": "string"},
+                    "content": {
+                        "anyOf": [
+                            {"type": "string"},
+                            {"type": "array", "items": {"type": "object"}},
+                        ],
+                        "description": "Text, or a list of parts of type 'text'.",
+                    },
+                },
             },
         },
         "stream": {"type": "boolean"},
         "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "response_format": {"type": "object", "description": "text, json_object, json_schema"},
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
     },
+    "description": "OpenAI's chat request; docs/api.md lists every parameter's support.",
 }
 _COMPLETION_BODY: dict[str, Any] = {
     "type": "object",
     "required": ["model", "prompt"],
     "properties": {
         "model": _MODEL,
-        "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "prompt": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}},
+                {"type": "array", "items": {"type": "integer"}},
+                {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+            ]
+        },
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
         "stream": {"type": "boolean"},
         "max_tokens": {"type": "integer", "minimum": 1},
     },
@@ -87,8 +110,11 @@ async def chat_completions(
     principal: PrincipalDep,
     registry: RegistryDep,
     settings: SettingsDep,
+    store: StoreDep,
 ) -> Response:
-    return await _forward("chat/completions", request, session, principal, registry, settings)
+    return await _forward(
+        "chat/completions", request, session, principal, registry, settings, store
+    )
 
 
 @router.post("/completions", responses=_ANSWERS, openapi_extra=_body(_COMPLETION_BODY))
@@ -98,8 +124,42 @@ async def completions(
     principal: PrincipalDep,
     registry: RegistryDep,
     settings: SettingsDep,
+    store: StoreDep,
 ) -> Response:
-    return await _forward("completions", request, session, principal, registry, settings)
+    return await _forward("completions", request, session, principal, registry, settings, store)
+
+
+def _resolve(
+    model: str,
+    session: Session,
+    principal: Principal,
+    registry: ModelRegistry,
+    store: Store,
+) -> tuple[str, str]:
+    """(base model, adapter id: '' for the bare base) of a model the caller may call: a
+    base model, a fine-tuned model of its own or shared with it, or one of their
+    checkpoints (``...:ckpt-step-N``)."""
+    if model in registry.names():
+        return model, ""
+    adapter = visible_adapter(session, principal.tenant_id, model)
+    if adapter is not None:
+        return adapter.base_model, adapter.job_id
+    checkpoint = visible_checkpoint(session, principal.tenant_id, model)
+    if checkpoint is not None:
+        if not store.exists(checkpoint.path):
+            raise NotFound(
+                f"the checkpoint {model!r} is no longer kept (a job keeps its newest "
+                "checkpoints); list those with GET /v1/fine_tuning/jobs/{id}/checkpoints",
+                param="model",
+                code="model_not_found",
+            )
+        return checkpoint.base_model, checkpoint.adapter_id
+    raise NotFound(
+        f"the model {model!r} does not exist or you do not have access to it; list yours "
+        "with GET /v1/models",
+        param="model",
+        code="model_not_found",
+    )
 
 
 async def _forward(
@@ -109,6 +169,7 @@ async def _forward(
     principal: Principal,
     registry: ModelRegistry,
     settings: Settings,
+    store: Store,
 ) -> Response:
     """Check ``model``, then pass the request to Serve and its answer back: whole, or
     as the server-sent events it streams."""
@@ -128,18 +189,10 @@ async def _forward(
         raise InvalidRequest(
             "'model' is required: a base model or a fine_tuned_model name", param="model"
         )
-    if model in registry.names():
-        base, adapter_id = model, ""
-    else:
-        adapter = visible_adapter(session, principal.tenant_id, model)
-        if adapter is None:
-            raise NotFound(
-                f"the model {model!r} does not exist or you do not have access to "
-                "it; list yours with GET /v1/models",
-                param="model",
-                code="model_not_found",
-            )
-        base, adapter_id = adapter.base_model, adapter.job_id
+    # a checkpoint's existence is a round trip to object storage: off the event loop
+    base, adapter_id = await anyio.to_thread.run_sync(
+        _resolve, model, session, principal, registry, store
+    )
     session.close()  # a long generation must not hold a database connection
     url = f"{settings.serve_url}{route_prefix(base)}/v1/{path}"
     headers = {SECRET_HEADER: serve_secret(settings)}

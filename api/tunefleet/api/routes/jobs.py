@@ -31,6 +31,7 @@ from tunefleet.platform.jobs import (
     list_events,
 )
 from tunefleet.platform.planner import PlanDevice
+from tunefleet.platform.serving import checkpoint_model_name
 from tunefleet.platform.status import JobStatus, sources, transition
 from tunefleet.platform.tenants import Principal
 
@@ -199,23 +200,38 @@ async def checkpoints(
     session: StatementSessionDep,
     principal: PrincipalDep,
     store: StoreDep,
+    after: Annotated[
+        str | None, Query(description="A checkpoint id: list the older ones after it.")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 10,
 ) -> dict[str, Any]:
+    """Newest step first (then by id, a total order for the ``after`` cursor)."""
     job = get_job(session, principal, job_id)
-    # Ray Train keeps the newest few checkpoints on disk; list only those that exist.
-    rows = list(
-        session.scalars(
-            select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc())
+    query = select(Checkpoint).where(Checkpoint.job_id == job.id)
+    if after:
+        anchor = session.get(Checkpoint, after)
+        if anchor is None or anchor.job_id != job.id:
+            raise NotFound(f"no checkpoint with id {after!r} for job {job.id}", param="after")
+        query = query.where(
+            (Checkpoint.step < anchor.step)
+            | ((Checkpoint.step == anchor.step) & (Checkpoint.id < anchor.id))
         )
-    )
-    rows = [c for c in rows if store.exists(c.path)][: limit + 1]
+    rows: list[Checkpoint] = []
+    # Ray Train keeps the newest few checkpoints on disk; list only those that exist.
+    for c in session.scalars(query.order_by(Checkpoint.step.desc(), Checkpoint.id.desc())):
+        if store.exists(c.path):
+            rows.append(c)
+            if len(rows) > limit:
+                break
     data = [
         {
             "id": c.id,
             "object": "fine_tuning.job.checkpoint",
             "created_at": c.created_at,
             "fine_tuning_job_id": job.id,
-            "fine_tuned_model_checkpoint": f"{job.model}:ckpt-step-{c.step}:{job.id}",
+            "fine_tuned_model_checkpoint": checkpoint_model_name(
+                job, principal.tenant_name, c.step
+            ),
             "step_number": c.step,
             "metrics": {"step": c.step, **c.metrics},
         }

@@ -1,5 +1,5 @@
 """``/v1/models``: the base models in the registry, the caller's fine-tuned models and the
-ones other tenants shared with it; sharing an adapter with another tenant."""
+ones other tenants shared with it; sharing an adapter with another tenant; deleting one."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ from typing import Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import delete
 
-from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep
-from tunefleet.api.openapi import ModelList, ModelObject, Shares, errors, ok
+from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, StoreDep
+from tunefleet.api.openapi import Deleted, ModelList, ModelObject, Shares, errors, ok
 from tunefleet.platform.db import Adapter, Tenant
-from tunefleet.platform.errors import NotFound
+from tunefleet.platform.errors import Forbidden, NotFound
+from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.serving import (
     owned_adapter,
     share,
@@ -29,8 +31,14 @@ class ShareCreate(BaseModel):
     tenant: str = Field(description="Name of the tenant that may call the model.")
 
 
-def _base(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "tunefleet", "parent": None}
+def _base(registry: ModelRegistry, name: str) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": registry.created(name),
+        "owned_by": "tunefleet",
+        "parent": None,
+    }
 
 
 def _adapter(a: Adapter, owner: str) -> dict[str, Any]:
@@ -51,7 +59,7 @@ def _shares_view(session: SessionDep, adapter: Adapter) -> dict[str, Any]:
 async def list_models(
     session: SessionDep, principal: PrincipalDep, registry: RegistryDep
 ) -> dict[str, Any]:
-    data = [_base(n) for n in registry.names()]
+    data = [_base(registry, n) for n in registry.names()]
     data += [_adapter(a, owner) for a, owner in visible_adapters(session, principal.tenant_id)]
     return {"object": "list", "data": data}
 
@@ -88,7 +96,7 @@ async def retrieve_model(
     model: str, session: SessionDep, principal: PrincipalDep, registry: RegistryDep
 ) -> dict[str, Any]:
     if model in registry.names():
-        return _base(model)
+        return _base(registry, model)
     adapter = visible_adapter(session, principal.tenant_id, model)
     if adapter is None:
         raise NotFound(
@@ -98,3 +106,43 @@ async def retrieve_model(
         )
     owner = session.get(Tenant, adapter.tenant_id)
     return _adapter(adapter, owner.name if owner else "")
+
+
+# After the /shares routes: ``{model:path}`` would take "NAME/shares/TENANT" too.
+@router.delete("/{model:path}", responses={**ok(Deleted), **errors(403, 404)})
+def delete_model(
+    model: str,
+    session: SessionDep,
+    principal: PrincipalDep,
+    registry: RegistryDep,
+    store: StoreDep,
+) -> dict[str, Any]:
+    """Delete one of the caller's fine-tuned models: its adapter record (and its shares)
+    and its weights in the artifact store, so replicas stop serving it; the job that made
+    it keeps its ``fine_tuned_model``. Another tenant's model is a 404, as it is to
+    every other route here."""
+    if model in registry.names():
+        raise Forbidden(
+            f"model {model!r} is a base model; base models cannot be deleted, only your "
+            "fine-tuned models (ft:...)",
+            param="model",
+            code="base_model",
+        )
+    adapter = owned_adapter(session, principal.tenant_id, model)
+    job_id = adapter.job_id
+    # its shares go with it (ON DELETE CASCADE); of two deletes racing, one deletes it
+    gone = session.execute(
+        delete(Adapter).where(Adapter.id == adapter.id).execution_options(synchronize_session=False)
+    )
+    session.commit()
+    if not getattr(gone, "rowcount", 0):
+        raise NotFound(
+            f"model {model!r} was deleted meanwhile; list yours with GET /v1/models",
+            param="model",
+            code="model_not_found",
+        )
+    # After the commit: a failure here leaves unreferenced weights, never a model
+    # listed without them.
+    for key in (store.adapter_key(job_id), store.merged_key(job_id)):
+        store.delete(key)
+    return {"id": model, "object": "model", "deleted": True}

@@ -9,12 +9,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tunefleet.workers.serve.engine import BatchEngine
-from tunefleet.workers.serve.generate import Finished, Sampling, TextStream
+from tunefleet.workers.serve.generate import Finished, Sampling, TextStream, TokenLogprob
 
 
 class Answer:
     """The choices of one request, decoded in the shared batch; iterate for
-    ``(choice index, text delta, Finished | None)`` as they come. Leaving early (a client
+    ``(choice index, text delta, its tokens' logprobs or None, Finished | None)`` as they
+    come. Leaving early (a client
     that disconnects) cancels the rows; the adapter is released at the end either way."""
 
     def __init__(
@@ -29,7 +30,9 @@ class Answer:
         self.choices = choices
         self.done: list[Finished] = []
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, str, Finished | None]]:
+    async def __aiter__(
+        self,
+    ) -> AsyncIterator[tuple[int, str, list[TokenLogprob] | None, Finished | None]]:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -43,11 +46,13 @@ class Answer:
                 i, token, finish = await queue.get()
                 if finished[i] is not None:
                     continue
-                delta, end = streams[i].feed(token, finish)
+                stream = streams[i]
+                delta, end = stream.feed(token, finish, rows[i].logprob(len(stream.ids)))
                 if end is not None:
                     rows[i].cancel()  # a stop string ended it; no-op once the row ended
                 finished[i] = end
-                yield i, delta, end
+                logprobs = stream.new_logprobs() if delta or end is not None else None
+                yield i, delta, logprobs, end
             self.done = [f for f in finished if f is not None]
             self.server.record(self.adapter_id, self.done, started)
         finally:

@@ -36,6 +36,7 @@ from tunefleet.platform.serving_contract import (
     ADAPTER_HEADER,
     ADAPTER_ID,
     SECRET_HEADER,
+    adapter_weights_key,
     replica_label_selector,
 )
 from tunefleet.platform.settings import get_settings
@@ -50,11 +51,15 @@ from tunefleet.workers.serve.openai_api import (
     ChatRequest,
     CompletionRequest,
     GenerationRequest,
+    Refused,
+    chat_logprobs,
+    completion_logprobs,
     error,
     parse,
     unservable,
     usage,
 )
+from tunefleet.workers.serve.structured import GrammarError, Grammars
 
 log = logging.getLogger("tunefleet.serve")
 
@@ -85,6 +90,19 @@ class ServingConfig(BaseModel):
 
 
 app = FastAPI()
+
+
+@app.exception_handler(Exception)
+async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    """A bug answers in OpenAI's shape too (the SDKs read ``error``), never as plain text."""
+    log.exception("unhandled error")
+    message = f"internal error in serving: {type(exc).__name__}"
+    return error(500, message, "internal_error", param=None)
+
+
+def _mean_logprob(f: Finished) -> float:
+    """best_of's ranking: a candidate's log-probability per token, as OpenAI's."""
+    return sum(t.logprob for t in f.logprobs or []) / max(1, len(f.logprobs or []))
 
 
 def not_an_adapter(adapter_id: str) -> JSONResponse:
@@ -163,11 +181,18 @@ class LoraServer:
         self.lora = MultiLoraModel(base, max_adapters=self.options.max_adapters_per_replica)
         self.cache = AdapterCache(
             self.lora,
-            locate=lambda a: self.store.local_copy(self.store.adapter_key(a)),
+            locate=lambda a: self.store.local_copy(adapter_weights_key(a)),
             on_load=lambda a: self.m_loads.inc(tags={"adapter": a}),
             on_evict=lambda a: self.m_evictions.inc(tags={"adapter": a}),
         )
         self.eos = eos_ids(base, self.tokenizer)
+        self.grammars = Grammars(self.tokenizer, self.eos)
+        try:  # built now, not on the first structured or logprobs request
+            self.grammars.tokenizer  # noqa: B018
+        except GrammarError as exc:
+            log.warning("%s", exc)
+        # token ids a request may name: the tokenizer's (the model's rows may be padded)
+        self.vocab = min(len(self.tokenizer), int(getattr(base.config, "vocab_size")))  # noqa: B009
         # prompt plus completion, in tokens: the positions the base was trained for
         self.context = int(getattr(base.config, "max_position_embeddings", 2048))
         pad = self.tokenizer.pad_token_id
@@ -186,6 +211,7 @@ class LoraServer:
             max_batch_size=self.options.max_batch_size,
             batch_wait_s=self.options.batch_wait_ms / 1000,
             pad_id=self.pad_id,
+            grammars=self.grammars,
         )
         engine.start()
         return engine
@@ -212,7 +238,7 @@ class LoraServer:
         def copy_all() -> None:
             for adapter_id in missing:
                 try:
-                    self.store.local_copy(self.store.adapter_key(adapter_id))
+                    self.store.local_copy(adapter_weights_key(adapter_id))
                 except Exception as exc:  # deleted meanwhile, storage away: on request then
                     log.warning("cannot prefetch adapter %s: %s", adapter_id, exc)
                     continue
@@ -238,7 +264,7 @@ class LoraServer:
             kept = {a: e for a, e in self.merged.items() if a in wanted.merged}
             for adapter_id in set(wanted.merged) - set(kept):
                 try:
-                    folder = self.store.local_copy(self.store.adapter_key(adapter_id))
+                    folder = self.store.local_copy(adapter_weights_key(adapter_id))
                     merged = merge_into_copy(self.lora.base_copy(), folder)
                 except Exception as exc:  # one bad adapter must not take the replica down
                     log.error("cannot serve %s merged: %s", adapter_id, exc)
@@ -273,7 +299,7 @@ class LoraServer:
     async def load_adapter(self, adapter_id: str, pin: bool = False) -> Any:
         if not ADAPTER_ID.fullmatch(adapter_id):
             return not_an_adapter(adapter_id)
-        if not self.store.exists(self.store.adapter_key(adapter_id)):
+        if not self.store.exists(adapter_weights_key(adapter_id)):
             return error(
                 404, f"adapter {adapter_id!r} is not in the artifact store", "model_not_found"
             )
@@ -301,22 +327,62 @@ class LoraServer:
         req = await parse(ChatRequest, request)
         if isinstance(req, JSONResponse):
             return req
-        messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
-        ids: Any = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
+        try:
+            req.refuse_unsupported()
+            req.check_tokens(self.vocab)
+            messages = req.template_messages()
+            grammar = None
+            if req.response_format is not None:
+                # the first one builds the grammar engine's view of the vocabulary
+                grammar = await asyncio.to_thread(self.grammars.compile, req.response_format)
+        except Refused as exc:
+            return exc.response()
+        except GrammarError as exc:
+            return error(400, f"response_format: {exc}", "invalid_schema", "response_format")
+        try:
+            ids: Any = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )
+        except Exception as exc:  # a template that refuses a role or its order (jinja)
+            return error(
+                400,
+                f"the model's chat template refuses these messages: {exc}",
+                "invalid_messages",
+                "messages",
+            )
         prompts = [list(ids["input_ids"])]
         asked = req.max_completion_tokens or req.max_tokens
-        return await self._respond(req, prompts, asked, 256, chat=True)
+        # no limit asked: as much as the context leaves, as OpenAI
+        return await self._respond(req, prompts, asked, None, chat=True, grammar=grammar)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
         req = await parse(CompletionRequest, request)
         if isinstance(req, JSONResponse):
             return req
-        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        prompts = [list(self.tokenizer(t)["input_ids"]) for t in texts]
-        return await self._respond(req, prompts, req.max_tokens, 16, chat=False)
+        prompts: list[list[int]] = []
+        texts: list[str] = []
+        try:
+            req.refuse_unsupported()
+            req.check_tokens(self.vocab)
+            for i, given in enumerate(req.prompt_list()):
+                if isinstance(given, str):
+                    prompts.append(list(self.tokenizer(given)["input_ids"]))
+                    texts.append(given)
+                    continue
+                wrong = [t for t in given if t >= self.vocab]
+                if wrong:
+                    raise Refused(
+                        f"prompt {i}: token id {wrong[0]} is not in this model's vocabulary "
+                        f"(ids 0 to {self.vocab - 1})",
+                        "prompt",
+                        code="invalid_value",
+                    )
+                prompts.append(given)
+                texts.append(str(self.tokenizer.decode(given)))
+        except Refused as exc:
+            return exc.response()
+        return await self._respond(req, prompts, req.max_tokens, 16, chat=False, texts=texts)
 
     def _refusal(
         self, req: GenerationRequest, prompts: list[list[int]], asked: int | None, chat: bool
@@ -325,11 +391,12 @@ class LoraServer:
         so nothing of it reaches the shared batch): too many rows, an empty prompt, or a
         prompt plus the asked completion over the model's context."""
         param = "messages" if chat else "prompt"
-        if len(prompts) * req.n > MAX_ROWS_PER_REQUEST:
+        rows = len(prompts) * req.choices_per_prompt
+        if rows > MAX_ROWS_PER_REQUEST:
             return error(
                 400,
-                f"{len(prompts)} prompt(s) x n={req.n} is {len(prompts) * req.n} choices; at "
-                f"most {MAX_ROWS_PER_REQUEST} per request",
+                f"{len(prompts)} prompt(s) x {req.choices_per_prompt} choice(s) is {rows} "
+                f"choices; at most {MAX_ROWS_PER_REQUEST} per request",
                 "too_many_choices",
                 param="n",
             )
@@ -357,16 +424,20 @@ class LoraServer:
         req: GenerationRequest,
         prompts: list[list[int]],
         asked: int | None,
-        default: int,
+        default: int | None,
         *,
         chat: bool,
+        grammar: str | None = None,
+        texts: list[str] | None = None,
     ) -> Any:
-        """``asked`` tokens at most (None: ``default``, within what the context leaves)."""
+        """``asked`` tokens at most (None: ``default``, within what the context leaves;
+        no default: all it leaves). ``texts`` are a completion's prompts as text (echo,
+        logprobs' offsets)."""
         refusal = self._refusal(req, prompts, asked, chat)
         if refusal is not None:
             return refusal
         room = self.context - max(len(p) for p in prompts)
-        max_new = asked or min(default, room)
+        max_new = asked or min(default or room, room)
         adapter_id = serve.get_multiplexed_model_id()
         slot = 0
         merged = self.merged.get(adapter_id) if adapter_id else None
@@ -374,7 +445,7 @@ class LoraServer:
         if adapter_id and merged is None:
             # asked of the store (a round trip to object storage) only when not loaded
             if adapter_id not in self.cache and not self.store.exists(
-                self.store.adapter_key(adapter_id)
+                adapter_weights_key(adapter_id)
             ):
                 return error(
                     404, f"adapter {adapter_id!r} is not in the artifact store", "model_not_found"
@@ -387,36 +458,78 @@ class LoraServer:
                 return unservable(adapter_id, exc)
             except CacheFullError as exc:
                 return error(503, str(exc), "adapter_cache_full")
-        # one choice per prompt and sample: index = prompt * n + sample, as OpenAI numbers them
-        rows = [(p, req.sampling(max_new, k)) for p in prompts for k in range(req.n)]
+        # one row per prompt and candidate: index = prompt * n + sample, as OpenAI numbers
+        # them (best_of decodes more candidates per prompt and keeps the n likeliest)
+        per = req.choices_per_prompt
+        rows = [(p, req.sampling(max_new, k, grammar)) for p in prompts for k in range(per)]
         answer = Answer(self, engine, slot, adapter_id, rows)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "created": int(time.time()),
             "model": req.model,
+            "system_fingerprint": None,
         }
         if req.stream:
-            events = self._stream(req, answer, head, chat=chat)
+            events = self._stream(req, answer, head, chat=chat, texts=texts)
             return StreamingResponse(events, media_type="text/event-stream")
-        async for _ in answer:
-            pass
-        done = answer.done
-        choices = [
-            {"index": i, "message": {"role": "assistant", "content": f.text}}
-            if chat
-            else {"index": i, "text": f.text}
-            for i, f in enumerate(done)
+        try:
+            async for _ in answer:
+                pass
+        except Exception as exc:  # the batch failed: said in OpenAI's shape, not as text
+            log.exception("a batch failed")
+            return error(500, f"generation failed: {exc}", "server_error", param=None)
+        # best_of: the n candidates of each prompt with the highest logprob per token
+        kept = [
+            i
+            for start in range(0, len(rows), per)
+            for i in sorted(
+                range(start, start + per), key=lambda i: -_mean_logprob(answer.done[i])
+            )[: req.n]
         ]
-        for choice, f in zip(choices, done, strict=True):
-            choice.update(finish_reason=f.finish_reason, logprobs=None)
+        choices = [
+            self._choice(req, j, answer.done[i], chat, texts and texts[i // per])
+            for j, i in enumerate(kept if per > req.n else range(len(rows)))
+        ]
         return JSONResponse(
             {
                 **head,
                 "object": "chat.completion" if chat else "text_completion",
                 "choices": choices,
-                "usage": usage(done, prompts),
+                "usage": usage(answer.done, prompts),
             }
         )
+
+    def _choice(
+        self, req: GenerationRequest, index: int, f: Finished, chat: bool, prompt_text: Any
+    ) -> dict[str, Any]:
+        """One choice of a whole (not streamed) answer."""
+        if chat:
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": f.text, "refusal": None},
+                "logprobs": chat_logprobs(f.logprobs, self.grammars),
+                "finish_reason": f.finish_reason,
+            }
+        assert isinstance(req, CompletionRequest)
+        offset = len(prompt_text or "")
+        echo = prompt_text if req.echo else ""
+        logprobs = f.logprobs if req.logprobs is not None else None
+        starts = self._offsets(offset, f.token_ids, 0, len(logprobs or []))
+        return {
+            "index": index,
+            "text": echo + f.text,
+            "logprobs": completion_logprobs(logprobs, self.grammars, starts),
+            "finish_reason": f.finish_reason,
+        }
+
+    def _offsets(self, start: int, ids: list[int], first: int, count: int) -> list[int]:
+        """Where tokens ``first`` to ``first + count`` of ``ids`` begin in the text (a token
+        can hold part of a character: offsets come from decoding the prefixes)."""
+        decode = self.tokenizer.decode
+        return [
+            start + len(decode(ids[:k], skip_special_tokens=True))
+            for k in range(first, first + count)
+        ]
 
     def record(self, adapter_id: str, done: list[Finished], started: float) -> None:
         tags = {"adapter": adapter_id or "base"}
@@ -427,11 +540,20 @@ class LoraServer:
         self.m_latency.observe(time.perf_counter() - started, tags=tags)
 
     async def _stream(
-        self, req: GenerationRequest, answer: Answer, head: dict[str, Any], *, chat: bool
+        self,
+        req: GenerationRequest,
+        answer: Answer,
+        head: dict[str, Any],
+        *,
+        chat: bool,
+        texts: list[str] | None,
     ) -> AsyncIterator[str]:
-        """Server-sent events: each choice's deltas as the batch makes them."""
+        """Server-sent events: each choice's deltas as the batch makes them, with their
+        tokens' logprobs when asked."""
         with_usage = req.stream_options is not None and req.stream_options.include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
+        prompt_chars = [len(texts[i // req.n]) if texts else 0 for i in range(len(answer.choices))]
+        tokens: list[list[int]] = [[] for _ in answer.choices]  # each choice's, so far
 
         def event(choices: list[dict[str, Any]], **extra: Any) -> str:
             chunk = {**head, "object": obj, "choices": choices, **extra}
@@ -439,23 +561,32 @@ class LoraServer:
                 chunk["usage"] = None
             return f"data: {json.dumps(chunk)}\n\n"
 
-        def choice(i: int, delta: str | None, finish: str | None) -> dict[str, Any]:
+        def choice(
+            i: int, delta: str | None, logprobs: list[Any] | None, finish: str | None
+        ) -> dict[str, Any]:
             if chat:
                 body: dict[str, Any] = {"delta": {} if delta is None else {"content": delta}}
+                shown = chat_logprobs(logprobs, self.grammars)
             else:
                 body = {"text": delta or ""}
-            return {"index": i, **body, "logprobs": None, "finish_reason": finish}
+                first = len(tokens[i])
+                tokens[i] += [t.token for t in logprobs or []]
+                starts = self._offsets(prompt_chars[i], tokens[i], first, len(tokens[i]) - first)
+                shown = completion_logprobs(logprobs, self.grammars, starts)
+            return {"index": i, **body, "logprobs": shown, "finish_reason": finish}
 
-        if chat:
-            for i in range(len(answer.choices)):
+        for i in range(len(answer.choices)):
+            if chat:
                 first = {"index": i, "delta": {"role": "assistant", "content": ""}}
                 yield event([{**first, "logprobs": None, "finish_reason": None}])
+            elif texts and isinstance(req, CompletionRequest) and req.echo:
+                yield event([choice(i, texts[i // req.n], None, None)])
         try:
-            async for i, delta, finished in answer:
-                if delta:
-                    yield event([choice(i, delta, None)])
+            async for i, delta, logprobs, finished in answer:
+                if delta or logprobs:
+                    yield event([choice(i, delta, logprobs, None)])
                 if finished is not None:
-                    yield event([choice(i, None, finished.finish_reason)])
+                    yield event([choice(i, None, None, finished.finish_reason)])
         except Exception as exc:  # headers are sent: report in the stream, as OpenAI does
             failure = {"message": str(exc), "type": "server_error", "param": None, "code": None}
             yield f"data: {json.dumps({'error': failure})}\n\n"

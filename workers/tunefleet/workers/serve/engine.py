@@ -25,9 +25,16 @@ from typing import Any
 
 import torch
 
-from tunefleet.workers.serve.generate import Finished, Sampling, TextStream, pick_token
+from tunefleet.workers.serve.generate import (
+    Finished,
+    Sampling,
+    TextStream,
+    TokenLogprob,
+    pick_token,
+)
 from tunefleet.workers.serve.kvcache import BatchCache
 from tunefleet.workers.serve.multilora import MultiLoraModel
+from tunefleet.workers.serve.structured import Grammars, fill_masks
 
 # Padding allowed in a prefill group, as a share of its real prompt tokens.
 PREFILL_PADDING = 0.15
@@ -49,10 +56,18 @@ class Row:
     length: int = 0  # real tokens in the cache = the next position id
     last: int = 0
     gen: torch.Generator | None = field(default=None, repr=False)
+    matcher: Any = field(default=None, repr=False)  # the grammar's state (structured.py)
+    counts: dict[int, int] = field(default_factory=dict, repr=False)  # for the penalties
+    # the sampled tokens' log-probabilities, appended before each token reaches the sink
+    logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
 
     def cancel(self) -> None:
         """End the row early (its client left, or a stop string ended it)."""
         self.ended = True
+
+    def logprob(self, n: int) -> TokenLogprob | None:
+        """The ``n``-th sampled token's log-probability (None when not asked)."""
+        return self.logprobs[n] if n < len(self.logprobs) else None
 
 
 class BatchEngine:
@@ -64,8 +79,10 @@ class BatchEngine:
         max_batch_size: int = 32,
         batch_wait_s: float = 0.005,
         pad_id: int = 0,
+        grammars: Grammars | None = None,
     ):
         self.lora = lora
+        self.grammars = grammars
         self.model: Any = lora.model
         self.eos = eos_ids
         self.max_batch_size = max_batch_size
@@ -85,6 +102,8 @@ class BatchEngine:
         req = Row(list(prompt), sampling, slot, sink)
         if sampling.seed is not None:
             req.gen = torch.Generator().manual_seed(sampling.seed)
+        if sampling.grammar is not None and self.grammars is None:
+            raise ValueError("this engine has no grammar support")
         self.pending.put(req)
         return req
 
@@ -134,6 +153,10 @@ class BatchEngine:
                     break
                 if not req.ended:
                     new.append(req)
+            for r in new:  # in this thread: a matcher compiles its grammar (milliseconds)
+                if r.sampling.grammar is not None and r.matcher is None:
+                    assert self.grammars is not None
+                    r.matcher = self.grammars.matcher(r.sampling.grammar)
             if new:
                 self._prefill(new)
             elif self.active:
@@ -227,22 +250,72 @@ class BatchEngine:
         self._emit(rows, logits)
 
     def _emit(self, rows: list[Row], logits: torch.Tensor) -> None:
-        greedy = logits.argmax(-1).tolist()
-        for i, r in enumerate(rows):
-            if r.ended:
-                continue
+        """Sample each live row's next token and hand it to the row's sink. Penalties,
+        logit biases and grammars change a row's logits first (grammars for all rows at
+        once); log-probabilities are the model's own, before any of that."""
+        live = [i for i, r in enumerate(rows) if not r.ended]
+        if not live:
+            return
+        scores = logits.float()
+        asked = [i for i in live if rows[i].sampling.logprobs is not None]
+        logprobs = torch.log_softmax(scores[asked], -1) if asked else None
+        adjusted = [i for i in live if rows[i].sampling.adjusts]
+        if adjusted:
+            scores = scores.clone()
+            for i in adjusted:
+                self._adjust(rows[i], scores[i])
+            matchers = [(rows[i].matcher, i) for i in adjusted if rows[i].matcher is not None]
+            if matchers:
+                assert self.grammars is not None
+                fill_masks(self.grammars, matchers, scores)
+        greedy = scores.argmax(-1).tolist()
+        for i in live:
+            r = rows[i]
             s = r.sampling
-            token = greedy[i] if s.temperature == 0 else pick_token(logits[i], s, r.gen)
+            sampled = s.temperature == 0 or s.top_p == 0
+            token = greedy[i] if sampled else pick_token(scores[i], s, r.gen)
+            if r.matcher is not None and not r.matcher.consume_token(token):
+                r.ended = True
+                r.sink(None, RuntimeError(f"grammar: {r.matcher.get_error()}"))
+                continue
             if token in self.eos:
                 r.ended = True
                 r.sink(None, "stop")
                 continue
+            if logprobs is not None and s.logprobs is not None:
+                row = logprobs[asked.index(i)]
+                top = row.topk(s.logprobs) if s.logprobs else None
+                r.logprobs.append(
+                    TokenLogprob(
+                        token,
+                        float(row[token]),
+                        ()
+                        if top is None
+                        else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)),
+                    )
+                )
             r.generated += 1
             r.last = token
+            r.counts[token] = r.counts.get(token, 0) + 1
             r.sink(token, None)
-            if r.generated >= s.max_tokens:
+            if r.matcher is not None and r.matcher.is_stopped():
+                r.ended = True  # the grammar is complete: nothing may follow
+                r.sink(None, "stop")
+            elif r.generated >= s.max_tokens:
                 r.ended = True
                 r.sink(None, "length")
+
+    @staticmethod
+    def _adjust(row: Row, scores: torch.Tensor) -> None:
+        """OpenAI's logit bias and penalties on one row's logits, in place."""
+        s = row.sampling
+        if s.logit_bias:
+            biased, bias = zip(*s.logit_bias, strict=True)
+            scores[list(biased)] += torch.tensor(bias)
+        if row.counts and (s.presence_penalty or s.frequency_penalty):
+            seen = list(row.counts)
+            counts = torch.tensor([row.counts[t] for t in seen], dtype=scores.dtype)
+            scores[seen] -= counts * s.frequency_penalty + s.presence_penalty
 
     def _drop_finished(self) -> None:
         """Remove ended rows from the batch and the cache, and trim padding columns."""
@@ -271,7 +344,8 @@ def generate_all(
 
     def sink_for(i: int) -> Sink:
         def sink(token: int | None, finish: Any) -> None:
-            _, end = streams[i].feed(token, finish)
+            stream = streams[i]
+            _, end = stream.feed(token, finish, requests[i].logprob(len(stream.ids)))
             if end is not None:
                 done[i] = end
                 requests[i].cancel()  # a stop string ended it; no-op once the row ended

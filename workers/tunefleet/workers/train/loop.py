@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-from tunefleet.platform.artifacts import open_store
+from tunefleet.platform.artifacts import Keys, open_store
 from tunefleet.platform.settings import get_settings
 from tunefleet.platform.spec import JobSpec
 from tunefleet.workers.run_channel import ChannelReporter
@@ -40,7 +40,7 @@ from tunefleet.workers.train.data import (
     load_dataset,
     pack,
 )
-from tunefleet.workers.train.loss import LabelledLogits, mean_loss
+from tunefleet.workers.train.loss import LabelledLogits, correct_tokens, mean_loss
 from tunefleet.workers.train.methods import build_model
 
 # How long the chief waits at a checkpoint for the controller to write its reports (the
@@ -350,7 +350,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     def save_checkpoint(final: bool, metrics: dict[str, Any]) -> bool:
         """Report a checkpoint into the artifact store as ``checkpoints/{job}/step-N``;
         False on every rank when the disk was full (the run must leave: see ``disk_full``)."""
-        name = f"step-{step:08d}"
+        name = Keys.checkpoint_name(step)
         # sharded: every rank takes part in gathering the full tensors onto rank 0
         gathered = sharding.gather_state(model, optimizer) if sharded else None
         rng = ckpt_files.rng_states(device, world)
@@ -450,7 +450,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     def evaluate() -> dict[str, float]:
         """Loss and next-token accuracy over every label token of the validation file
-        (OpenAI's ``full_valid_loss`` / ``full_valid_mean_token_accuracy``). Every rank
+        (OpenAI's ``full_valid_loss`` / ``full_valid_mean_token_accuracy``, and its
+        ``valid_loss`` / ``valid_mean_token_accuracy``, which OpenAI takes on a batch of
+        the file: here the whole file is that batch). Every rank
         runs the same number of forward passes (FSDP gathers in each), scoring nothing in
         the passes past its share."""
         assert validation is not None
@@ -468,15 +470,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 if not chunk or not len(targets):
                     continue
                 totals[0] += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
-                totals[1] += int((logits.argmax(-1) == targets).sum())
+                totals[1] += int(correct_tokens(logits, targets))
                 totals[2] += len(targets)
         model.train()
         if dist.is_available() and dist.is_initialized() and world > 1:
             dist.all_reduce(totals)
         count = max(float(totals[2]), 1.0)
+        loss, accuracy = float(totals[0]) / count, float(totals[1]) / count
         return {
-            "full_valid_loss": float(totals[0]) / count,
-            "full_valid_mean_token_accuracy": float(totals[1]) / count,
+            "valid_loss": loss,
+            "valid_mean_token_accuracy": accuracy,
+            "full_valid_loss": loss,
+            "full_valid_mean_token_accuracy": accuracy,
         }
 
     # --- steps ----------------------------------------------------------------------
@@ -495,7 +500,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 break
             window_start = time.perf_counter()  # a step's throughput times its training only
             picks = [mine[(local_step * per_step + j) % len(mine)] for j in range(per_step)]
-            step_loss, local_tokens, local_samples, local_labels = 0.0, 0, 0, 0
+            step_loss, local_tokens, local_samples, local_labels, local_correct = 0.0, 0, 0, 0, 0
             for a in range(accum):
                 picked = [units[i] for i in picks[a * micro : (a + 1) * micro]]
                 batch, tokens = make_batch(picked)
@@ -512,6 +517,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                         loss = mean_loss(logits, targets)
                     scaler.scale(loss / accum).backward()
                 local_labels += len(targets)
+                local_correct += int(correct_tokens(logits, targets))
                 step_loss += float(loss.detach()) / accum
                 local_tokens += tokens
             scaler.unscale_(optimizer)  # true gradients for clipping (no-op unless fp16)
@@ -523,7 +529,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            tokens, samples, labels = global_sum(local_tokens, local_samples, local_labels)
+            tokens, samples, labels, correct = global_sum(
+                local_tokens, local_samples, local_labels, local_correct
+            )
             if device.type == "cuda":  # the optimizer step's kernels may still be queued
                 torch.cuda.synchronize(device)
             trained_at = time.perf_counter()  # throughput leaves out the evaluation below
@@ -551,6 +559,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 tokens_per_s = window_tokens / elapsed
                 metrics = {
                     "train_loss": last_loss,
+                    # OpenAI's: argmax = label, over the step's label tokens on all workers
+                    "train_mean_token_accuracy": correct / labels if labels else None,
                     "learning_rate": scheduler.get_last_lr()[0],
                     "grad_norm": norm,
                     "step_tokens": window_tokens,  # real tokens, all workers

@@ -7,7 +7,8 @@ token, and its logits the largest activation), so on chat data, where the prompt
 half the tokens or more, that is real waste. ``LabelledLogits`` hooks the output layer
 once and hands it only the hidden states of positions whose next token is a label; the
 cross-entropy over them is the model's loss (mean over label tokens), with the same
-gradients, at less cost and memory.
+gradients, at less cost and memory; the same logits give the token accuracy
+(``correct_tokens``).
 """
 
 from __future__ import annotations
@@ -66,3 +67,11 @@ class LabelledLogits:
 def mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The causal LM loss: cross-entropy averaged over label tokens, in fp32."""
     return F.cross_entropy(logits.float(), targets)
+
+
+def correct_tokens(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """How many label tokens are the logits' argmax (a 0-d int64 tensor, no gradient):
+    the numerator of OpenAI's ``mean_token_accuracy``, whose denominator is
+    ``len(targets)``. Counts, not a mean, so that micro-batches and ranks add up."""
+    with torch.no_grad():
+        return (logits.argmax(-1) == targets).sum()
