@@ -97,10 +97,10 @@ def _wait_step(client: httpx.Client, job_id: str, step: int, timeout: float = 24
         if steps and steps[-1] >= step:
             return int(steps[-1])
         job = _job(client, job_id)
-        assert job["status"] in ("validating_files", "queued", "running"), (
-            job.get("error"),
-            [e["message"][:200] for e in _events(client, job_id)][-8:],
-        )
+        if job["status"] not in ("validating_files", "queued", "running"):
+            for e in _events(client, job_id):  # shown whole with the failure (not cut)
+                print(e["created_at"], e["level"], e["message"][:300], e.get("data"))
+        assert job["status"] in ("validating_files", "queued", "running"), job.get("error")
         assert time.monotonic() < deadline, f"step {step} not reached: {steps[-3:]}"
         time.sleep(0.5)
 

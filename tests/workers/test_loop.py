@@ -1,4 +1,4 @@
-"""The training loop's small pieces that need no Ray: the learning-rate schedule."""
+"""The training loop's small pieces that need no Ray: the learning-rate schedule, MFU."""
 
 from __future__ import annotations
 
@@ -25,3 +25,13 @@ def test_the_schedule_is_transformers_linear_warmup_and_decay(warmup: int, total
     ours = rates(linear_schedule)
     assert ours == rates(get_linear_schedule_with_warmup)
     assert max(ours) <= 0.5 and ours[-1] == 0.0
+
+
+def test_mfu_counts_the_output_layer_at_labelled_positions_only() -> None:
+    from tunefleet.workers.train import metrics
+
+    # 1,000 tokens of which 100 labelled, 50 FLOPs a token of which 20 the output layer's:
+    # 1,000 x 30 + 100 x 20 = 32,000 FLOPs in 2 s against a 32,000 FLOP/s peak
+    figures = {"tokens": 1000, "labels": 100, "flops_per_token": 50, "output_layer_flops": 20}
+    assert metrics.mfu(**figures, seconds=2.0, peak_flops=32_000) == 0.5
+    assert metrics.mfu(**figures, seconds=2.0, peak_flops=0.0) is None  # no known peak

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -19,8 +21,15 @@ from tunefleet.platform.metrics import exposition
 from tunefleet.platform.settings import Settings, get_settings
 
 
+@contextlib.asynccontextmanager
+async def _lifespan(_: FastAPI) -> AsyncIterator[None]:
+    yield
+    await inference.close_serve_client()
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(
+        lifespan=_lifespan,
         title="TuneFleet",
         version="0.1.0",
         description="Self-hosted fine-tuning: OpenAI-compatible files, fine-tuning jobs, "

@@ -14,6 +14,7 @@ from tunefleet.api.deps import PrincipalDep, SessionDep, SettingsDep, StoreDep
 from tunefleet.api.openapi import Deleted, FileList, FileObject, errors, ok
 from tunefleet.platform.datasets import raise_for_report, validate_file
 from tunefleet.platform.db import File, Job, now_s
+from tunefleet.platform.db.paging import ordered_after
 from tunefleet.platform.errors import Conflict, InvalidRequest, NotFound
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.status import TERMINAL
@@ -111,25 +112,14 @@ async def list_files(
     query = select(File).where(File.tenant_id == principal.tenant_id)
     if purpose:
         query = query.where(File.purpose == purpose)
+    anchor = None
     if after:
-        anchor = session.get(File, after)
-        if anchor is None or anchor.tenant_id != principal.tenant_id:
+        found = session.get(File, after)
+        if found is None or found.tenant_id != principal.tenant_id:
             raise NotFound(f"no file with id {after!r} to list after", param="after")
-        if order == "desc":
-            query = query.where(
-                (File.created_at < anchor.created_at)
-                | ((File.created_at == anchor.created_at) & (File.id < anchor.id))
-            )
-        else:
-            query = query.where(
-                (File.created_at > anchor.created_at)
-                | ((File.created_at == anchor.created_at) & (File.id > anchor.id))
-            )
-    if order == "desc":
-        query = query.order_by(File.created_at.desc(), File.id.desc())
-    else:
-        query = query.order_by(File.created_at, File.id)
-    rows = list(session.scalars(query.limit(limit + 1)))
+        anchor = (found.created_at, found.id)
+    paged = ordered_after(query, File.created_at, File.id, anchor, descending=order == "desc")
+    rows = list(session.scalars(paged.limit(limit + 1)))
     return {
         "object": "list",
         "data": [file_view(f) for f in rows[:limit]],

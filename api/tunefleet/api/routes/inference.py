@@ -6,7 +6,9 @@ event by event."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -129,6 +131,32 @@ async def completions(
     return await _forward("completions", request, session, principal, registry, settings, store)
 
 
+# One connection pool to Serve per event loop (an API worker runs one): a request reuses
+# open connections instead of making a client (and its TLS context) of its own. Keyed by
+# loop because a client belongs to the loop it first ran on (tests' clients run a loop per
+# request).
+_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+    weakref.WeakKeyDictionary()
+)
+_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+
+
+def serve_client() -> httpx.AsyncClient:
+    loop = asyncio.get_running_loop()
+    client = _CLIENTS.get(loop)
+    if client is None or client.is_closed:
+        timeout = httpx.Timeout(600.0, connect=5.0)
+        client = _CLIENTS[loop] = httpx.AsyncClient(timeout=timeout, limits=_LIMITS)
+    return client
+
+
+async def close_serve_client() -> None:
+    """At the app's shutdown: close this loop's connections to Serve."""
+    client = _CLIENTS.pop(asyncio.get_running_loop(), None)
+    if client is not None:
+        await client.aclose()
+
+
 def _resolve(
     model: str,
     session: Session,
@@ -198,13 +226,12 @@ async def _forward(
     headers = {SECRET_HEADER: serve_secret(settings)}
     if adapter_id:
         headers[ADAPTER_HEADER] = adapter_id
-    client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
+    client = serve_client()
     try:
         resp = await client.send(
             client.build_request("POST", url, json=body, headers=headers), stream=True
         )
     except httpx.TransportError as exc:
-        await client.aclose()
         raise Unavailable(
             f"serving for base model {base!r} is not reachable at "
             f"{settings.serve_url} ({type(exc).__name__}); is `tunefleet up` "
@@ -218,14 +245,12 @@ async def _forward(
                     yield chunk
             finally:
                 await resp.aclose()
-                await client.aclose()
 
         return StreamingResponse(relay(), media_type="text/event-stream")
     try:
         content = await resp.aread()
     finally:
         await resp.aclose()
-        await client.aclose()
     if resp.status_code in (401, 403):  # Serve refused the API itself, not the caller
         raise Unavailable(
             f"serving for base model {base!r} refused the API's secret: set the same "

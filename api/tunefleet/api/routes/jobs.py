@@ -20,6 +20,7 @@ from tunefleet.api.deps import (
 from tunefleet.api.openapi import CheckpointList, EventList, JobList, JobObject, errors, ok
 from tunefleet.api.responses import FastJSONResponse
 from tunefleet.platform.db import Checkpoint, Job
+from tunefleet.platform.db.paging import ordered_after
 from tunefleet.platform.errors import NotFound, TuneFleetError
 from tunefleet.platform.jobs import (
     JOB_COLUMNS,
@@ -100,16 +101,14 @@ async def list_jobs(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> FastJSONResponse:
     query = select(*JOB_COLUMNS).where(Job.tenant_id == principal.tenant_id)
+    anchor = None
     if after:
-        anchor = session.get(Job, after)
-        if anchor is None or anchor.tenant_id != principal.tenant_id:
+        found = session.get(Job, after)
+        if found is None or found.tenant_id != principal.tenant_id:
             raise NotFound(f"no fine-tuning job with id {after!r}", param="after")
-        query = query.where(
-            (Job.created_ns < anchor.created_ns)
-            | ((Job.created_ns == anchor.created_ns) & (Job.id < anchor.id))
-        )
+        anchor = (found.created_ns, found.id)
     wanted = _metadata_filter(request)
-    ordered = query.order_by(Job.created_ns.desc(), Job.id.desc())
+    ordered = ordered_after(query, Job.created_ns, Job.id, anchor)
     rows: list[Row[Any]] = []
     # Metadata is JSON, filtered here so SQLite and PostgreSQL agree; stop at limit + 1.
     for job in session.execute(ordered if wanted else ordered.limit(limit + 1)):
@@ -207,18 +206,16 @@ async def checkpoints(
 ) -> dict[str, Any]:
     """Newest step first (then by id, a total order for the ``after`` cursor)."""
     job = get_job(session, principal, job_id)
-    query = select(Checkpoint).where(Checkpoint.job_id == job.id)
+    anchor = None
     if after:
-        anchor = session.get(Checkpoint, after)
-        if anchor is None or anchor.job_id != job.id:
+        found = session.get(Checkpoint, after)
+        if found is None or found.job_id != job.id:
             raise NotFound(f"no checkpoint with id {after!r} for job {job.id}", param="after")
-        query = query.where(
-            (Checkpoint.step < anchor.step)
-            | ((Checkpoint.step == anchor.step) & (Checkpoint.id < anchor.id))
-        )
+        anchor = (found.step, found.id)
+    query = select(Checkpoint).where(Checkpoint.job_id == job.id)
     rows: list[Checkpoint] = []
     # Ray Train keeps the newest few checkpoints on disk; list only those that exist.
-    for c in session.scalars(query.order_by(Checkpoint.step.desc(), Checkpoint.id.desc())):
+    for c in session.scalars(ordered_after(query, Checkpoint.step, Checkpoint.id, anchor)):
         if store.exists(c.path):
             rows.append(c)
             if len(rows) > limit:

@@ -54,7 +54,7 @@ class Answer:
                 logprobs = stream.new_logprobs() if delta or end is not None else None
                 yield i, delta, logprobs, end
             self.done = [f for f in finished if f is not None]
-            self.server.record(self.adapter_id, self.done, started)
+            self.server.metrics.answered(self.adapter_id, self.done, started)
         finally:
             for row in rows:
                 row.cancel()

@@ -17,12 +17,10 @@ Glossary: *adapter id* is the job id that produced the adapter (its artifact key
 # route signatures at run time and would take a string `Request` for a query parameter.
 import asyncio
 import hmac
-import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
@@ -44,7 +42,8 @@ from tunefleet.workers.serve.adapter_cache import AdapterCache, AdapterInUse, Ca
 from tunefleet.workers.serve.adapters import AdapterError, load_serving_base, merge_into_copy
 from tunefleet.workers.serve.answer import Answer
 from tunefleet.workers.serve.engine import BatchEngine
-from tunefleet.workers.serve.generate import Finished, eos_ids
+from tunefleet.workers.serve.generate import eos_ids
+from tunefleet.workers.serve.metrics import AdapterMetrics
 from tunefleet.workers.serve.multilora import MultiLoraModel
 from tunefleet.workers.serve.openai_api import (
     MAX_ROWS_PER_REQUEST,
@@ -52,13 +51,11 @@ from tunefleet.workers.serve.openai_api import (
     CompletionRequest,
     GenerationRequest,
     Refused,
-    chat_logprobs,
-    completion_logprobs,
     error,
     parse,
     unservable,
-    usage,
 )
+from tunefleet.workers.serve.responses import Responses
 from tunefleet.workers.serve.structured import GrammarError, Grammars
 
 log = logging.getLogger("tunefleet.serve")
@@ -98,11 +95,6 @@ async def unexpected(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error")
     message = f"internal error in serving: {type(exc).__name__}"
     return error(500, message, "internal_error", param=None)
-
-
-def _mean_logprob(f: Finished) -> float:
-    """best_of's ranking: a candidate's log-probability per token, as OpenAI's."""
-    return sum(t.logprob for t in f.logprobs or []) / max(1, len(f.logprobs or []))
 
 
 def not_an_adapter(adapter_id: str) -> JSONResponse:
@@ -154,39 +146,18 @@ class LoraServer:
         # where that is)
         self.store = open_store(**store, cache_dir=get_settings().resolved_artifact_cache)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        # Per-adapter metrics through Ray's metrics agent (Prometheus on each node's
-        # metrics export port); Serve adds the deployment, replica and application tags.
-        from ray.serve import metrics
-
-        per_adapter = ("adapter",)
-        self.m_requests = metrics.Counter(
-            "tunefleet_adapter_requests", "Requests per adapter.", tag_keys=per_adapter
-        )
-        self.m_tokens = metrics.Counter(
-            "tunefleet_adapter_generated_tokens", "Tokens generated.", tag_keys=per_adapter
-        )
-        self.m_latency = metrics.Histogram(
-            "tunefleet_adapter_request_seconds",
-            "Time from request to last token.",
-            boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60],
-            tag_keys=per_adapter,
-        )
-        self.m_loads = metrics.Counter(
-            "tunefleet_adapter_loads", "Adapters loaded into this replica.", tag_keys=per_adapter
-        )
-        self.m_evictions = metrics.Counter(
-            "tunefleet_adapter_evictions", "Adapters evicted (LRU).", tag_keys=per_adapter
-        )
+        self.metrics = AdapterMetrics()
         base = load_serving_base(model_path, self.options.base_quantization)
         self.lora = MultiLoraModel(base, max_adapters=self.options.max_adapters_per_replica)
         self.cache = AdapterCache(
             self.lora,
             locate=lambda a: self.store.local_copy(adapter_weights_key(a)),
-            on_load=lambda a: self.m_loads.inc(tags={"adapter": a}),
-            on_evict=lambda a: self.m_evictions.inc(tags={"adapter": a}),
+            on_load=self.metrics.loaded,
+            on_evict=self.metrics.evicted,
         )
         self.eos = eos_ids(base, self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.eos)
+        self.responses = Responses(self.tokenizer, self.grammars)
         try:  # built now, not on the first structured or logprobs request
             self.grammars.tokenizer  # noqa: B018
         except GrammarError as exc:
@@ -470,7 +441,7 @@ class LoraServer:
             "system_fingerprint": None,
         }
         if req.stream:
-            events = self._stream(req, answer, head, chat=chat, texts=texts)
+            events = self.responses.events(req, answer, head, texts, chat=chat)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             async for _ in answer:
@@ -478,122 +449,7 @@ class LoraServer:
         except Exception as exc:  # the batch failed: said in OpenAI's shape, not as text
             log.exception("a batch failed")
             return error(500, f"generation failed: {exc}", "server_error", param=None)
-        # best_of: the n candidates of each prompt with the highest logprob per token
-        kept = [
-            i
-            for start in range(0, len(rows), per)
-            for i in sorted(
-                range(start, start + per), key=lambda i: -_mean_logprob(answer.done[i])
-            )[: req.n]
-        ]
-        choices = [
-            self._choice(req, j, answer.done[i], chat, texts and texts[i // per])
-            for j, i in enumerate(kept if per > req.n else range(len(rows)))
-        ]
-        return JSONResponse(
-            {
-                **head,
-                "object": "chat.completion" if chat else "text_completion",
-                "choices": choices,
-                "usage": usage(answer.done, prompts),
-            }
-        )
-
-    def _choice(
-        self, req: GenerationRequest, index: int, f: Finished, chat: bool, prompt_text: Any
-    ) -> dict[str, Any]:
-        """One choice of a whole (not streamed) answer."""
-        if chat:
-            return {
-                "index": index,
-                "message": {"role": "assistant", "content": f.text, "refusal": None},
-                "logprobs": chat_logprobs(f.logprobs, self.grammars),
-                "finish_reason": f.finish_reason,
-            }
-        assert isinstance(req, CompletionRequest)
-        offset = len(prompt_text or "")
-        echo = prompt_text if req.echo else ""
-        logprobs = f.logprobs if req.logprobs is not None else None
-        starts = self._offsets(offset, f.token_ids, 0, len(logprobs or []))
-        return {
-            "index": index,
-            "text": echo + f.text,
-            "logprobs": completion_logprobs(logprobs, self.grammars, starts),
-            "finish_reason": f.finish_reason,
-        }
-
-    def _offsets(self, start: int, ids: list[int], first: int, count: int) -> list[int]:
-        """Where tokens ``first`` to ``first + count`` of ``ids`` begin in the text (a token
-        can hold part of a character: offsets come from decoding the prefixes)."""
-        decode = self.tokenizer.decode
-        return [
-            start + len(decode(ids[:k], skip_special_tokens=True))
-            for k in range(first, first + count)
-        ]
-
-    def record(self, adapter_id: str, done: list[Finished], started: float) -> None:
-        tags = {"adapter": adapter_id or "base"}
-        self.m_requests.inc(tags=tags)
-        tokens = sum(f.completion_tokens for f in done)
-        if tokens:
-            self.m_tokens.inc(tokens, tags=tags)
-        self.m_latency.observe(time.perf_counter() - started, tags=tags)
-
-    async def _stream(
-        self,
-        req: GenerationRequest,
-        answer: Answer,
-        head: dict[str, Any],
-        *,
-        chat: bool,
-        texts: list[str] | None,
-    ) -> AsyncIterator[str]:
-        """Server-sent events: each choice's deltas as the batch makes them, with their
-        tokens' logprobs when asked."""
-        with_usage = req.stream_options is not None and req.stream_options.include_usage
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        prompt_chars = [len(texts[i // req.n]) if texts else 0 for i in range(len(answer.choices))]
-        tokens: list[list[int]] = [[] for _ in answer.choices]  # each choice's, so far
-
-        def event(choices: list[dict[str, Any]], **extra: Any) -> str:
-            chunk = {**head, "object": obj, "choices": choices, **extra}
-            if with_usage and "usage" not in extra:
-                chunk["usage"] = None
-            return f"data: {json.dumps(chunk)}\n\n"
-
-        def choice(
-            i: int, delta: str | None, logprobs: list[Any] | None, finish: str | None
-        ) -> dict[str, Any]:
-            if chat:
-                body: dict[str, Any] = {"delta": {} if delta is None else {"content": delta}}
-                shown = chat_logprobs(logprobs, self.grammars)
-            else:
-                body = {"text": delta or ""}
-                first = len(tokens[i])
-                tokens[i] += [t.token for t in logprobs or []]
-                starts = self._offsets(prompt_chars[i], tokens[i], first, len(tokens[i]) - first)
-                shown = completion_logprobs(logprobs, self.grammars, starts)
-            return {"index": i, **body, "logprobs": shown, "finish_reason": finish}
-
-        for i in range(len(answer.choices)):
-            if chat:
-                first = {"index": i, "delta": {"role": "assistant", "content": ""}}
-                yield event([{**first, "logprobs": None, "finish_reason": None}])
-            elif texts and isinstance(req, CompletionRequest) and req.echo:
-                yield event([choice(i, texts[i // req.n], None, None)])
-        try:
-            async for i, delta, logprobs, finished in answer:
-                if delta or logprobs:
-                    yield event([choice(i, delta, logprobs, None)])
-                if finished is not None:
-                    yield event([choice(i, None, None, finished.finish_reason)])
-        except Exception as exc:  # headers are sent: report in the stream, as OpenAI does
-            failure = {"message": str(exc), "type": "server_error", "param": None, "code": None}
-            yield f"data: {json.dumps({'error': failure})}\n\n"
-            return
-        if with_usage:
-            yield event([], usage=usage(answer.done, [p for p, _ in answer.choices[:: req.n]]))
-        yield "data: [DONE]\n\n"
+        return JSONResponse(self.responses.whole(req, head, answer.done, prompts, texts, chat=chat))
 
     @app.get("/healthz")
     async def healthz(self) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """OpenAI's chat and completion requests as a replica reads them, with the bounds on what
 one request may cost it, the parameters it refuses (400, naming them: nothing is silently
-ignored), and the pieces of its answers in OpenAI's shape (errors, logprobs, usage).
+ignored), and its errors in OpenAI's shape (the answers are ``responses.py``'s).
 
 docs/api.md has the compatibility table: every parameter is supported, refused, or
 accepted as not applicable (``user``, ``metadata``, ``service_tier``... have nothing to
@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tunefleet.workers.serve.adapters import AdapterError
-from tunefleet.workers.serve.generate import Finished, Sampling, TokenLogprob
+from tunefleet.workers.serve.generate import Sampling
 
 # Bounds on what one request may cost a replica (every other tenant's rows share its batch).
 MAX_ROWS_PER_REQUEST = 128  # prompts x n (OpenAI's n is at most 128)
@@ -291,50 +291,6 @@ class CompletionRequest(GenerationRequest):
 
 
 _Parsed = TypeVar("_Parsed", bound=BaseModel)
-
-
-def usage(done: list[Finished], prompts: list[list[int]]) -> dict[str, Any]:
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(f.completion_tokens for f in done)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def chat_logprobs(entries: list[TokenLogprob] | None, grammars: Any) -> dict[str, Any] | None:
-    """``choices[].logprobs`` of a chat completion: ``content``, one entry per token."""
-    if entries is None:
-        return None
-
-    def one(token: int, logprob: float) -> dict[str, Any]:
-        return {
-            "token": grammars.token_text(token),
-            "logprob": logprob,
-            "bytes": list(grammars.token_bytes(token)),
-        }
-
-    content = [
-        {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
-        for e in entries
-    ]
-    return {"content": content, "refusal": None}
-
-
-def completion_logprobs(
-    entries: list[TokenLogprob] | None, grammars: Any, offsets: list[int]
-) -> dict[str, Any] | None:
-    """``choices[].logprobs`` of a legacy completion: tokens, their logprobs, the top ones
-    by token text, and where each token begins in prompt + completion (``offsets``)."""
-    if entries is None:
-        return None
-    return {
-        "tokens": [grammars.token_text(e.token) for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{grammars.token_text(t): lp for t, lp in e.top} for e in entries],
-        "text_offset": offsets[: len(entries)],
-    }
 
 
 def unservable(adapter_id: str, exc: AdapterError) -> JSONResponse:

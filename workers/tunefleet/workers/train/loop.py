@@ -1,10 +1,13 @@
-"""The training loop, written out in full: ``train_loop_per_worker`` for Ray Train.
+"""The training loop for Ray Train, as a recipe: ``train_loop_per_worker`` reads top to
+bottom.
 
-Setup (model, adapter, data, optimizer) -> resume from the newest checkpoint -> steps with
-metrics to the platform -> checkpoints at epoch ends (and every N steps) -> the final
-adapter as the last reported checkpoint. Every worker runs this function; rank 0 alone
-reports to the platform (through the run's channel, ``workers/run_channel.py``) and
-reports checkpoints to Ray Train.
+``Worker`` sets up once (model, adapter, data, the micro-batch plan, optimizer); its
+``TrainState`` (step, tokens trained, epoch) comes from the newest checkpoint or starts at
+zero; then ``Worker.train`` runs the steps, with metrics to the platform, checkpoints at
+epoch ends (and every N steps), a stop when the controller asks, and the final adapter as
+the last reported checkpoint. Every worker runs it; rank 0 alone reports to the platform
+(through the run's channel, ``workers/run_channel.py``) and reports checkpoints to Ray
+Train.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 import os
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +116,7 @@ def probe_micro_batch(
     make_batch: Any,
     autocast: Any,
     labelled: LabelledLogits,
+    *,
     start: int,
     share: int,
     world: int,
@@ -158,322 +163,434 @@ def probe_micro_batch(
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     entered = time.time()
-    spec = JobSpec.model_validate(config["spec"])
-    run_id: str = config["run_id"]  # the Ray job id the controller gave this run
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    is_chief = rank == 0
-    # what the chief has to say goes to the platform through the run's channel
-    reporter = ChannelReporter(run_id)
+    worker = Worker(config)
+    state = worker.resume()
+    worker.announce(state, entered)
+    worker.train(state)
 
-    # --- setup ----------------------------------------------------------------------
-    load_started = time.perf_counter()
-    resident_at_start = probe.resident_bytes()
-    tokenizer = AutoTokenizer.from_pretrained(config["model_path"])
-    pad_id = (
-        tokenizer.pad_token_id
-        if tokenizer.pad_token_id is not None
-        else (tokenizer.eos_token_id or 0)
-    )
-    built = build_model(spec, config["model_path"])
-    trainable, total = built.trainable, built.total
-    device_type = ray.train.torch.get_device().type
-    # A resumed run loads the method's weights before the model is wrapped or sharded;
-    # optimizer and scheduler state once they exist (below).
-    resume = contextlib.ExitStack()
-    checkpoint = ray.train.get_checkpoint()
-    ckpt_dir = Path(resume.enter_context(checkpoint.as_directory())) if checkpoint else None
-    if ckpt_dir is not None:
-        ckpt_files.load_model(ckpt_dir, built)
-    if spec.tunefleet.precision == "fp8":
-        enable_fp8(built.model)
-    # the output layer runs only where a label is (loss.py); hooked before any wrapping
-    labelled = LabelledLogits(built.model.get_output_embeddings())
-    strategy = spec.tunefleet.run_strategy
-    # one worker has nothing to shard, but zero3_offload still moves its parameters, grads
-    # and optimizer states to host memory (GPU workers only: spec.py)
-    sharded = strategy != "ddp" and (world > 1 or strategy == "zero3_offload")
-    if sharded:
-        model = sharding.shard_model(
-            built.model.to(ray.train.torch.get_device()), strategy, spec.tunefleet.precision
-        )
-    else:
-        model = ray.train.torch.prepare_model(
-            built.model, parallel_strategy="ddp" if world > 1 else None
-        )
-    if spec.tunefleet.compile:
-        # in place (nn.Module.compile): parameter names and state dicts stay the model's
-        model.compile(dynamic=True)  # examples vary in length
-    autocast = precision_context(spec, device_type)
-    # fp16 needs dynamic loss scaling: small gradients would underflow to zero
-    scaler = torch.amp.GradScaler(device_type, enabled=spec.tunefleet.precision == "fp16")
-    model_load_s = time.perf_counter() - load_started
 
-    # the driver's store; this node's cache (its own settings say where that is)
-    store = open_store(**config["store"], cache_dir=get_settings().resolved_artifact_cache)
-    data = load_dataset(
-        store.local_copy(config["train_key"]), tokenizer, spec.tunefleet.max_seq_len
-    )
-    if not data.examples:
-        raise ValueError("the training file has no example with tokens to learn from")
-    # Evaluation data: never packed; every worker scores its share.
-    validation = (
-        load_dataset(
-            store.local_copy(config["validation_key"]), tokenizer, spec.tunefleet.max_seq_len
-        )
-        if config.get("validation_key")
-        else None
-    )
-    # The unit of a batch: an example, or a row of examples packed end to end.
-    units: list[Any] = (
-        pack(data.examples, spec.tunefleet.max_seq_len)
-        if spec.tunefleet.packing
-        else list(data.examples)
-    )
+@dataclass
+class TrainState:
+    """What changes as a run trains; a checkpoint keeps it, a resumed run starts from it."""
 
-    def make_batch(picked: list[Any]) -> tuple[dict[str, torch.Tensor], int]:
+    step: int = 0
+    trained_tokens: int = 0
+    epoch: int = 0
+    last_loss: float = float("nan")
+    saved: list[int] = field(default_factory=list)  # steps checkpointed (or restored)
+    # the stop the controller asked for: its job's status and current run
+    stop_seen: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Counts:
+    """Tokens, examples and label tokens (and labels predicted right) over all workers."""
+
+    tokens: int = 0
+    samples: int = 0
+    labels: int = 0
+    correct: int = 0
+
+    def add(self, other: Counts) -> None:
+        self.tokens += other.tokens
+        self.samples += other.samples
+        self.labels += other.labels
+        self.correct += other.correct
+
+
+class Worker:
+    """One worker of a run: what it sets up once, and what it does each step."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = config
+        self.spec = spec = JobSpec.model_validate(config["spec"])
+        self.run_id: str = config["run_id"]  # the Ray job id the controller gave this run
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.is_chief = self.rank == 0
+        # what the chief has to say goes to the platform through the run's channel
+        self.reporter = ChannelReporter(self.run_id)
+        self.device = ray.train.torch.get_device()
+
+        # -- the model -----------------------------------------------------------------
+        load_started = time.perf_counter()
+        resident_at_start = probe.resident_bytes()
+        tokenizer = AutoTokenizer.from_pretrained(config["model_path"])
+        self.pad_id = (
+            tokenizer.pad_token_id
+            if tokenizer.pad_token_id is not None
+            else (tokenizer.eos_token_id or 0)
+        )
+        self.built = built = build_model(spec, config["model_path"])
+        # A resumed run loads the method's weights before the model is wrapped or sharded;
+        # optimizer and scheduler state once they exist (``resume``).
+        self._resume = contextlib.ExitStack()
+        checkpoint = ray.train.get_checkpoint()
+        self.ckpt_dir = (
+            Path(self._resume.enter_context(checkpoint.as_directory())) if checkpoint else None
+        )
+        if self.ckpt_dir is not None:
+            ckpt_files.load_model(self.ckpt_dir, built)
+        if spec.tunefleet.precision == "fp8":
+            enable_fp8(built.model)
+        # the output layer runs only where a label is (loss.py); hooked before any wrapping
+        self.labelled = LabelledLogits(built.model.get_output_embeddings())
+        self.strategy = strategy = spec.tunefleet.run_strategy
+        # one worker has nothing to shard, but zero3_offload still moves its parameters,
+        # grads and optimizer states to host memory (GPU workers only: spec.py)
+        self.sharded = strategy != "ddp" and (self.world > 1 or strategy == "zero3_offload")
+        if self.sharded:
+            self.model: Any = sharding.shard_model(
+                built.model.to(self.device), strategy, spec.tunefleet.precision
+            )
+        else:
+            self.model = ray.train.torch.prepare_model(
+                built.model, parallel_strategy="ddp" if self.world > 1 else None
+            )
+        if spec.tunefleet.compile:
+            # in place (nn.Module.compile): parameter names and state dicts stay the model's
+            self.model.compile(dynamic=True)  # examples vary in length
+        self.autocast = precision_context(spec, self.device.type)
+        # fp16 needs dynamic loss scaling: small gradients would underflow to zero
+        self.scaler = torch.amp.GradScaler(
+            self.device.type, enabled=spec.tunefleet.precision == "fp16"
+        )
+        self.model_load_s = time.perf_counter() - load_started
+
+        # -- the data ------------------------------------------------------------------
+        # the driver's store; this node's cache (its own settings say where that is)
+        store = open_store(**config["store"], cache_dir=get_settings().resolved_artifact_cache)
+        max_len = spec.tunefleet.max_seq_len
+        self.data = load_dataset(store.local_copy(config["train_key"]), tokenizer, max_len)
+        if not self.data.examples:
+            raise ValueError("the training file has no example with tokens to learn from")
+        # Evaluation data: never packed; every worker scores its share.
+        self.validation = (
+            load_dataset(store.local_copy(config["validation_key"]), tokenizer, max_len)
+            if config.get("validation_key")
+            else None
+        )
+        # The unit of a batch: an example, or a row of examples packed end to end.
+        self.units: list[Any] = (
+            pack(self.data.examples, max_len)
+            if spec.tunefleet.packing
+            else list(self.data.examples)
+        )
+
+        # -- the steps: `accum` micro-batches of `micro` examples on each of `world`
+        # workers make one optimizer step of the global batch_size, up to rounding -------
+        hp = spec.hyperparameters
+        share = max(1, math.ceil(hp.batch_size / self.world))
+        self.micro = spec.tunefleet.micro_batch_size or share
+        self.probed = ""
+        if spec.tunefleet.probe_micro_batch:
+            if self.ckpt_dir is not None:  # a resumed run keeps what its first run found
+                saved = ckpt_files.saved_extras(self.ckpt_dir)
+                self.micro = int(saved.get("micro_batch", self.micro))
+            else:
+                self.micro, self.probed = probe_micro_batch(
+                    spec,
+                    self.model,
+                    self.units,
+                    self.make_batch,
+                    self.autocast,
+                    self.labelled,
+                    start=self.micro,
+                    share=share,
+                    world=self.world,
+                    fit=probe.DeviceFit(
+                        self.device, config.get("device_memory_bytes"), resident_at_start
+                    ),
+                )
+        self.accum = max(1, math.ceil(hp.batch_size / (self.micro * self.world)))
+        self.per_step = self.micro * self.accum
+        self.steps_per_epoch = max(1, math.ceil(len(self.units) / (self.per_step * self.world)))
+        self.total_steps = self.steps_per_epoch * hp.n_epochs
+        if spec.tunefleet.max_steps is not None:
+            self.total_steps = min(self.total_steps, spec.tunefleet.max_steps)
+        self.trained_params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(spec, self.trained_params)
+        self.scheduler = linear_schedule(
+            self.optimizer, int(spec.tunefleet.warmup_ratio * self.total_steps), self.total_steps
+        )
+
+        # -- throughput: model FLOPs per token against the device's peak (metrics.py) -----
+        self.peak_flops, self.peak_source = 0.0, ""
+        if self.is_chief:
+            compute = {"bf16": torch.bfloat16, "fp16": torch.float16}
+            dtype = compute.get(spec.tunefleet.precision, torch.float32)
+            self.peak_flops, self.peak_source = train_metrics.device_peak_flops(self.device, dtype)
+        self.flops_per_token = train_metrics.flops_per_token(
+            built.total,
+            built.trainable,
+            built.model.config,
+            self.data.tokens / len(self.data.examples),
+        )
+        self.head_flops = train_metrics.output_layer_flops(
+            built.total, built.trainable, built.model.config
+        )
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and self.world > 1
+
+    def make_batch(self, picked: list[Any]) -> tuple[dict[str, torch.Tensor], int]:
         """The model's inputs and their real (not padding) token count."""
         tokens = sum(len(u.input_ids) for u in picked)
-        if spec.tunefleet.packing:
-            return collate_packed(picked, pad_id), tokens
-        return collate(picked, pad_id), tokens
+        if self.spec.tunefleet.packing:
+            return collate_packed(picked, self.pad_id), tokens
+        return collate(picked, self.pad_id), tokens
 
-    hp = spec.hyperparameters
-    share = max(1, math.ceil(hp.batch_size / world))
-    # One optimizer step = `accum` micro-batches of `micro` examples on each of `world`
-    # workers: the global batch_size, up to rounding.
-    micro = spec.tunefleet.micro_batch_size or share
-    probed = ""
-    if spec.tunefleet.probe_micro_batch:
-        if ckpt_dir is not None:  # a resumed run keeps what its first run found
-            micro = int(ckpt_files.saved_extras(ckpt_dir).get("micro_batch", micro))
-        else:
-            micro, probed = probe_micro_batch(
-                spec, model, units, make_batch, autocast, labelled, micro, share, world,
-                probe.DeviceFit(
-                    ray.train.torch.get_device(),
-                    config.get("device_memory_bytes"),
-                    resident_at_start,
-                ),
-            )  # fmt: skip
-    accum = max(1, math.ceil(hp.batch_size / (micro * world)))
-    per_step = micro * accum
-    steps_per_epoch = max(1, math.ceil(len(units) / (per_step * world)))
-    total_steps = steps_per_epoch * hp.n_epochs
-    if spec.tunefleet.max_steps is not None:
-        total_steps = min(total_steps, spec.tunefleet.max_steps)
+    # -- the run's start -----------------------------------------------------------------
+    def resume(self) -> TrainState:
+        """The state of the newest checkpoint (optimizer, scheduler and scaler loaded into
+        this worker's), or a fresh one."""
+        state = TrainState()
+        with self._resume:
+            if self.ckpt_dir is not None:
+                saved = ckpt_files.load_state(
+                    self.ckpt_dir,
+                    self.optimizer,
+                    self.scheduler,
+                    self.scaler,
+                    (lambda s: sharding.load_optimizer_state(self.model, self.optimizer, s))
+                    if self.sharded
+                    else None,
+                    self.rank,
+                    self.device,
+                )
+                state.step, state.trained_tokens = int(saved["step"]), int(saved["trained_tokens"])
+                state.saved.append(state.step)
+        state.epoch = state.step // self.steps_per_epoch
+        return state
 
-    optimizer = make_optimizer(spec, [p for p in model.parameters() if p.requires_grad])
-    scheduler = linear_schedule(
-        optimizer, int(spec.tunefleet.warmup_ratio * total_steps), total_steps
-    )
-
-    # --- resume ---------------------------------------------------------------------
-    step, trained_tokens = 0, 0
-    with resume:
-        if ckpt_dir is not None:
-            state = ckpt_files.load_state(
-                ckpt_dir,
-                optimizer,
-                scheduler,
-                scaler,
-                (lambda state: sharding.load_optimizer_state(model, optimizer, state))
-                if sharded
-                else None,
-                rank,
-                ray.train.torch.get_device(),
-            )
-            step, trained_tokens = int(state["step"]), int(state["trained_tokens"])
-    # Throughput metrics: model FLOPs per token against the device's peak (metrics.py)
-    device = ray.train.torch.get_device()
-    peak_flops, peak_source = 0.0, ""
-    if is_chief:
-        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}
-        dtype = compute.get(spec.tunefleet.precision, torch.float32)
-        peak_flops, peak_source = train_metrics.device_peak_flops(device, dtype)
-    per_token = train_metrics.flops_per_token(
-        total, trainable, built.model.config, data.tokens / len(data.examples)
-    )
-    head = train_metrics.output_layer_flops(total, trainable, built.model.config)
-    # where the workers really run, rank by rank (the event says it, next to the
-    # controller's placement)
-    nodes: list[Any] = [ray.get_runtime_context().get_node_id()]
-    if dist.is_available() and dist.is_initialized() and world > 1:
-        nodes = [None] * world
-        dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-    if is_chief:
-        checkpointing = spec.tunefleet.run_checkpointing
-        resumed = f", resumed at step {step}" if step else ""
-        reporter.post(
+    def announce(self, state: TrainState, entered: float) -> None:
+        """The run's first event: what it trains, how, and where its workers run (rank by
+        rank, next to the controller's placement)."""
+        nodes: list[Any] = [ray.get_runtime_context().get_node_id()]
+        if self.distributed:
+            nodes = [None] * self.world
+            dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+        if not self.is_chief:
+            return
+        built, opts = self.built, self.spec.tunefleet
+        resumed = f", resumed at step {state.step}" if state.step else ""
+        self.reporter.post(
             "message",
             message=(
-                f"Training {total_steps} steps of {spec.tunefleet.method} in "
-                f"{spec.tunefleet.precision} on {world} worker(s)"
-                f"{f' sharded ({strategy})' if sharded else ''}"
-                f"{', compiled' if spec.tunefleet.compile else ''} ({micro} examples x "
-                f"{accum} micro-batch(es) per worker per step"
-                f"{', gradient checkpointing' if checkpointing else ''}"
-                f"): {len(data.examples)} examples"
-                f"{f' packed into {len(units)} rows' if spec.tunefleet.packing else ''}, "
-                f"{data.truncated} truncated to {spec.tunefleet.max_seq_len} tokens; "
-                f"{probed}"
-                f"{trainable:,} trainable of {total:,} parameters; workers on node(s) "
-                f"{', '.join(sorted(set(nodes)))}{resumed}"
+                f"Training {self.total_steps} steps of {opts.method} in "
+                f"{opts.precision} on {self.world} worker(s)"
+                f"{f' sharded ({self.strategy})' if self.sharded else ''}"
+                f"{', compiled' if opts.compile else ''} ({self.micro} examples x "
+                f"{self.accum} micro-batch(es) per worker per step"
+                f"{', gradient checkpointing' if opts.run_checkpointing else ''}"
+                f"): {len(self.data.examples)} examples"
+                f"{f' packed into {len(self.units)} rows' if opts.packing else ''}, "
+                f"{self.data.truncated} truncated to {opts.max_seq_len} tokens; "
+                f"{self.probed}"
+                f"{built.trainable:,} trainable of {built.total:,} parameters; workers on "
+                f"node(s) {', '.join(sorted(set(nodes)))}{resumed}"
             ),
             data={
-                "model_load_s": round(model_load_s, 3),
-                "step": step,
-                "micro_batch": micro,
-                "peak_flops": peak_flops,
-                "peak_flops_source": peak_source,
-                "flops_per_token": per_token,
-                "output_layer_flops_per_token": head,  # counted at labelled positions
-                "method": spec.tunefleet.method,
+                "model_load_s": round(self.model_load_s, 3),
+                "step": state.step,
+                "micro_batch": self.micro,
+                "peak_flops": self.peak_flops,
+                "peak_flops_source": self.peak_source,
+                "flops_per_token": self.flops_per_token,
+                "output_layer_flops_per_token": self.head_flops,  # at labelled positions
+                "method": opts.method,
                 "nodes": nodes,
-                "strategy": strategy if sharded or world > 1 else "single",
+                "strategy": self.strategy if self.sharded or self.world > 1 else "single",
                 "pid": os.getpid(),
                 # seconds since the epoch: the driver's process and its trainer, this
                 # worker's process, this function, and the end of set-up
                 "startup": {
-                    **config.get("startup", {}),
+                    **self.config.get("startup", {}),
                     "worker_process": psutil.Process().create_time(),
                     "train_fn": entered,
                     "setup_done": time.time(),
                 },
-                "trainable_parameters": trainable,
-                "total_parameters": total,
+                "trainable_parameters": built.trainable,
+                "total_parameters": built.total,
             },
         )
 
-    saved = [step] if ckpt_dir is not None else []  # steps checkpointed (or restored)
+    # -- the steps -----------------------------------------------------------------------
+    def train(self, state: TrainState) -> None:
+        """Steps to ``total_steps``, epoch by epoch; returns early when the controller asks
+        the run to stop or a checkpoint finds the disk full."""
+        spec, every = self.spec, self.spec.tunefleet.checkpoint_every_steps
+        self.model.train()
+        started, start_step = time.perf_counter(), state.step
+        window = Counts()  # since the last metrics report
+        while state.step < self.total_steps:
+            order = epoch_order(len(self.units), spec.seed, state.epoch)
+            # Every rank takes the same number of steps (DDP needs it): short shards wrap.
+            mine = order[self.rank :: self.world] or order
+            for local_step in range(state.step % self.steps_per_epoch, self.steps_per_epoch):
+                if state.step >= self.total_steps:
+                    break
+                step_started = time.perf_counter()  # throughput times the training only
+                picks = [
+                    mine[(local_step * self.per_step + j) % len(mine)] for j in range(self.per_step)
+                ]
+                loss, counts, grad_norm = self.optimizer_step(picks)
+                state.step += 1
+                if self.device.type == "cuda":  # the optimizer step's kernels may be queued
+                    torch.cuda.synchronize(self.device)
+                trained_at = time.perf_counter()  # throughput leaves out the evaluation
+                evaluated = self.evaluate() if self.evaluates_at(state.step) else {}
+                norm = float(sharding.local_value(grad_norm))  # every rank: may communicate
+                state.trained_tokens += counts.tokens
+                state.last_loss = loss
+                window.add(counts)
+                if self.is_chief:
+                    rate = (state.step - start_step) / (time.perf_counter() - started)
+                    elapsed = max(trained_at - step_started, 1e-9)
+                    self.report_metrics(state, loss, counts, window, norm, elapsed, rate, evaluated)
+                    window = Counts()
+                if state.step < self.total_steps and (stop := self.requested_stop(state)):
+                    if stop == "paused":
+                        self.pause(state)
+                    return
+                due = (
+                    every
+                    and state.step % every == 0
+                    and state.step % self.steps_per_epoch
+                    and state.step < self.total_steps
+                )
+                if due and not self.save_checkpoint(state, False, {"train_loss": loss}):
+                    return
+            state.epoch += 1
+            if state.step < self.total_steps and not self.save_checkpoint(
+                state, False, {"train_loss": state.last_loss}
+            ):
+                return
+        final = {"train_loss": state.last_loss, "trained_tokens": state.trained_tokens}
+        self.save_checkpoint(state, True, final)
 
-    def save_checkpoint(final: bool, metrics: dict[str, Any]) -> bool:
-        """Report a checkpoint into the artifact store as ``checkpoints/{job}/step-N``;
-        False on every rank when the disk was full (the run must leave: see ``disk_full``)."""
-        name = Keys.checkpoint_name(step)
-        # sharded: every rank takes part in gathering the full tensors onto rank 0
-        gathered = sharding.gather_state(model, optimizer) if sharded else None
-        rng = ckpt_files.rng_states(device, world)
-        full = 0
-        # what was said so far is in the database before a checkpoint a later run could
-        # resume from exists (the channel may die with its Ray: a crash loses no step)
-        if is_chief and not reporter.flush(FLUSH_WAIT_S):
-            print(f"run {run_id}: the controller has not written its reports in "
-                  f"{FLUSH_WAIT_S:.0f}s; checkpointing anyway", flush=True)  # fmt: skip
-        with tempfile.TemporaryDirectory() as tmp:
-            if is_chief:
-                try:
-                    ckpt_files.save(
-                        Path(tmp),
-                        built,
-                        spec,
-                        optimizer,
-                        scheduler,
-                        {"step": step, "trained_tokens": trained_tokens, "micro_batch": micro},
-                        rng,
-                        scaler,
-                        gathered,
-                    )
-                    ray.train.report(
-                        {**metrics, "step": step, "final": final},
-                        checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                        checkpoint_dir_name=name,
-                    )
-                except OSError as exc:
-                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                        raise
-                    failed = disk_full(exc)
-                    full = 1
-                    ray.train.report({**metrics, "step": step, "final": False, "failed": failed})
-                else:
-                    saved.append(step)
-                    reporter.post(
-                        "checkpoint",
-                        step=step,
-                        path=f"{config['checkpoints_key']}/{name}",
-                        metrics=metrics,
-                    )
-            else:
-                ray.train.report({**metrics, "step": step, "final": final})
-        if dist.is_available() and dist.is_initialized() and world > 1:
-            flag = torch.tensor([full], device=device)
-            dist.broadcast(flag, src=0)
-            full = int(flag.item())
-        return not full
-
-    def disk_full(exc: OSError) -> dict[str, str | None]:
-        """On the chief, a checkpoint that found the disk full: nothing of it is kept (Ray
-        Train never saw it), the run records why and leaves, and the job fails with this
-        error (not retried: the next run would find the same disk)."""
-        previous = f"step {saved[-1]}" if saved else "none"
-        message = (
-            f"no space left on the device while writing the checkpoint of step {step} "
-            f"({exc.filename or exc.strerror}); the newest checkpoint before it ({previous}) "
-            "is intact. Free space in the artifact store and the workers' temporary "
-            "folder, then create the job again"
+    def optimizer_step(self, picks: list[int]) -> tuple[float, Counts, torch.Tensor]:
+        """One optimizer step over ``accum`` micro-batches of the units ``picks``: the
+        step's mean loss on this worker, its counts over all workers, the gradient norm."""
+        model, micro, accum = self.model, self.micro, self.accum
+        step_loss, local = 0.0, Counts()
+        for a in range(accum):
+            picked = [self.units[i] for i in picks[a * micro : (a + 1) * micro]]
+            batch, tokens = self.make_batch(picked)
+            # a packed row holds several examples
+            local.samples += sum(len(getattr(u, "lengths", (u,))) for u in picked)
+            # DDP all-reduces (FSDP reduce-scatters) gradients on the last micro-batch only.
+            sync = a == accum - 1 or not hasattr(model, "no_sync")
+            if self.sharded:
+                model.set_requires_gradient_sync(a == accum - 1)
+            with contextlib.nullcontext() if sync else model.no_sync():
+                with self.autocast:
+                    logits, targets = self.labelled(model, batch)
+                    loss = mean_loss(logits, targets)
+                self.scaler.scale(loss / accum).backward()
+            local.labels += len(targets)
+            local.correct += int(correct_tokens(logits, targets))
+            step_loss += float(loss.detach()) / accum
+            local.tokens += tokens
+        self.scaler.unscale_(self.optimizer)  # true gradients for clipping (fp16 only)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trained_params, 1.0)
+        self.scaler.step(self.optimizer)  # skipped when fp16 gradients overflowed
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens, samples, labels, correct = self.global_sum(
+            local.tokens, local.samples, local.labels, local.correct
         )
-        failed = {"code": "disk_full", "message": message, "param": None}
-        reporter.post(
-            "message",
-            message=f"Checkpoint failed: {message}",
-            level="error",
-            data={"error": failed},
+        return step_loss, Counts(tokens, samples, labels, correct), grad_norm
+
+    def report_metrics(
+        self,
+        state: TrainState,
+        loss: float,
+        counts: Counts,
+        window: Counts,
+        grad_norm: float,
+        elapsed: float,
+        rate: float,
+        evaluated: dict[str, float],
+    ) -> None:
+        """The chief's metrics event of a step (``window``: the steps since the last)."""
+        metrics = {
+            "train_loss": loss,
+            # OpenAI's: argmax = label, over the step's label tokens on all workers
+            "train_mean_token_accuracy": counts.correct / counts.labels if counts.labels else None,
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "step_tokens": window.tokens,  # real tokens, all workers
+            "tokens_per_s": window.tokens / elapsed,
+            "samples_per_s": window.samples / elapsed,
+            "mfu": train_metrics.mfu(
+                tokens=window.tokens,
+                labels=window.labels,
+                flops_per_token=self.flops_per_token,
+                output_layer_flops=self.head_flops,
+                seconds=elapsed,
+                peak_flops=self.peak_flops * self.world,
+            ),
+            "peak_memory_bytes": train_metrics.peak_memory_bytes(self.device),
+            "epoch": state.epoch + 1,
+            **evaluated,
+        }
+        self.reporter.post(
+            "metrics",
+            step=state.step,
+            total_steps=self.total_steps,
+            metrics=metrics,
+            trained_tokens=state.trained_tokens,
+            eta_s=(self.total_steps - state.step) / rate if rate > 0 else None,
         )
-        return failed
 
-    seen: dict[str, Any] = {}  # the stop the controller asked for (its job's status, run)
-
-    def requested_stop() -> str | None:
-        """'paused' or 'cancelled' when the controller asked this run to stop (the job was
-        paused or cancelled, or resumed before this run saw the pause, or another run is
-        now its current one: ``progress.wanted_stop``); rank 0 asks the run's channel and
-        every rank learns the answer, so all leave at the same step."""
-        code = 0
-        if is_chief:
-            stop = reporter.sync()
-            if stop is not None:
-                seen.update(status=stop["status"], current=stop["current"])
-                code = {"paused": 1, "cancelled": 2}[stop["stop"]]
-        if dist.is_available() and dist.is_initialized() and world > 1:
-            flag = torch.tensor([code], device=device)
-            dist.broadcast(flag, src=0)
-            code = int(flag.item())
-        return {1: "paused", 2: "cancelled"}.get(code)
-
-    def global_sum(*local: int) -> list[int]:
+    def global_sum(self, *local: int) -> list[int]:
         """Counts summed over all workers."""
-        if dist.is_available() and dist.is_initialized() and world > 1:
-            total = torch.tensor(local, device=device)
+        if self.distributed:
+            total = torch.tensor(local, device=self.device)
             dist.all_reduce(total)
             return [int(v) for v in total.tolist()]
         return list(local)
 
-    def evaluate() -> dict[str, float]:
+    # -- evaluation ----------------------------------------------------------------------
+    def evaluates_at(self, step: int) -> bool:
+        """With a validation file: at every checkpoint and at the end."""
+        every = self.spec.tunefleet.checkpoint_every_steps
+        return self.validation is not None and (
+            step == self.total_steps
+            or step % self.steps_per_epoch == 0
+            or bool(every and step % every == 0)
+        )
+
+    def evaluate(self) -> dict[str, float]:
         """Loss and next-token accuracy over every label token of the validation file
         (OpenAI's ``full_valid_loss`` / ``full_valid_mean_token_accuracy``, and its
         ``valid_loss`` / ``valid_mean_token_accuracy``, which OpenAI takes on a batch of
-        the file: here the whole file is that batch). Every rank
-        runs the same number of forward passes (FSDP gathers in each), scoring nothing in
-        the passes past its share."""
+        the file: here the whole file is that batch). Every rank runs the same number of
+        forward passes (FSDP gathers in each), scoring nothing in the passes past its
+        share."""
+        validation, micro, model = self.validation, self.micro, self.model
         assert validation is not None
-        share = validation.examples[rank::world]
-        passes = math.ceil(math.ceil(len(validation.examples) / world) / micro)
+        share = validation.examples[self.rank :: self.world]
+        passes = math.ceil(math.ceil(len(validation.examples) / self.world) / micro)
         # loss sum, correct, label tokens
-        totals = torch.zeros(3, dtype=torch.float64, device=device)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         model.eval()
         with torch.no_grad():
             for i in range(passes):
                 chunk = share[i * micro : (i + 1) * micro]
-                batch = collate(chunk or validation.examples[:1], pad_id)
-                with autocast:
-                    logits, targets = labelled(model, batch)
+                batch = collate(chunk or validation.examples[:1], self.pad_id)
+                with self.autocast:
+                    logits, targets = self.labelled(model, batch)
                 if not chunk or not len(targets):
                     continue
                 totals[0] += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
                 totals[1] += int(correct_tokens(logits, targets))
                 totals[2] += len(targets)
         model.train()
-        if dist.is_available() and dist.is_initialized() and world > 1:
+        if self.distributed:
             dist.all_reduce(totals)
         count = max(float(totals[2]), 1.0)
         loss, accuracy = float(totals[0]) / count, float(totals[1]) / count
@@ -484,125 +601,115 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             "full_valid_mean_token_accuracy": accuracy,
         }
 
-    # --- steps ----------------------------------------------------------------------
-    model.train()
-    started = time.perf_counter()
-    window_tokens = window_samples = window_labels = 0
-    start_step = step
-    epoch = step // steps_per_epoch
-    last_loss = float("nan")
-    while step < total_steps:
-        order = epoch_order(len(units), spec.seed, epoch)
-        # Every rank takes the same number of steps (DDP needs it): short shards wrap.
-        mine = order[rank::world] or order
-        for local_step in range(step % steps_per_epoch, steps_per_epoch):
-            if step >= total_steps:
-                break
-            window_start = time.perf_counter()  # a step's throughput times its training only
-            picks = [mine[(local_step * per_step + j) % len(mine)] for j in range(per_step)]
-            step_loss, local_tokens, local_samples, local_labels, local_correct = 0.0, 0, 0, 0, 0
-            for a in range(accum):
-                picked = [units[i] for i in picks[a * micro : (a + 1) * micro]]
-                batch, tokens = make_batch(picked)
-                # a packed row holds several examples
-                local_samples += sum(len(getattr(u, "lengths", (u,))) for u in picked)
-                # DDP all-reduces (FSDP reduce-scatters) gradients on the last micro-batch
-                # only.
-                sync = a == accum - 1 or not hasattr(model, "no_sync")
-                if sharded:
-                    model.set_requires_gradient_sync(a == accum - 1)  # type: ignore[operator]
-                with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]
-                    with autocast:
-                        logits, targets = labelled(model, batch)
-                        loss = mean_loss(logits, targets)
-                    scaler.scale(loss / accum).backward()
-                local_labels += len(targets)
-                local_correct += int(correct_tokens(logits, targets))
-                step_loss += float(loss.detach()) / accum
-                local_tokens += tokens
-            scaler.unscale_(optimizer)  # true gradients for clipping (no-op unless fp16)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.requires_grad], 1.0
-            )
-            scaler.step(optimizer)  # skipped when fp16 gradients overflowed
-            scaler.update()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            tokens, samples, labels, correct = global_sum(
-                local_tokens, local_samples, local_labels, local_correct
-            )
-            if device.type == "cuda":  # the optimizer step's kernels may still be queued
-                torch.cuda.synchronize(device)
-            trained_at = time.perf_counter()  # throughput leaves out the evaluation below
-            every = spec.tunefleet.checkpoint_every_steps
-            # with a validation file: at every checkpoint and at the end
-            evaluated = (
-                evaluate()
-                if validation is not None
-                and (
-                    step == total_steps
-                    or step % steps_per_epoch == 0
-                    or (every and step % every == 0)
-                )
-                else {}
-            )
-            norm = float(sharding.local_value(grad_norm))  # on every rank: may communicate
-            trained_tokens += tokens
-            window_tokens += tokens
-            window_samples += samples
-            window_labels += labels
-            last_loss = step_loss
-            if is_chief:
-                rate = (step - start_step) / (time.perf_counter() - started)
-                elapsed = max(trained_at - window_start, 1e-9)
-                tokens_per_s = window_tokens / elapsed
-                metrics = {
-                    "train_loss": last_loss,
-                    # OpenAI's: argmax = label, over the step's label tokens on all workers
-                    "train_mean_token_accuracy": correct / labels if labels else None,
-                    "learning_rate": scheduler.get_last_lr()[0],
-                    "grad_norm": norm,
-                    "step_tokens": window_tokens,  # real tokens, all workers
-                    "tokens_per_s": tokens_per_s,
-                    "samples_per_s": window_samples / elapsed,
-                    # of the whole job: every worker's device at its peak
-                    "mfu": (window_tokens * (per_token - head) + window_labels * head)
-                    / elapsed
-                    / (peak_flops * world)
-                    if peak_flops
-                    else None,
-                    "peak_memory_bytes": train_metrics.peak_memory_bytes(device),
-                    "epoch": epoch + 1,
-                    **evaluated,
-                }
-                window_tokens = window_samples = window_labels = 0
-                reporter.post(
-                    "metrics",
-                    step=step,
-                    total_steps=total_steps,
-                    metrics=metrics,
-                    trained_tokens=trained_tokens,
-                    eta_s=(total_steps - step) / rate if rate > 0 else None,
-                )
-            if step < total_steps and (stop := requested_stop()):
-                if stop == "paused":
-                    if not save_checkpoint(False, {"train_loss": last_loss, "stopped": stop}):
-                        return
-                    if is_chief:
-                        message = f"Paused at step {step}"
-                        if seen.get("status") != "paused":  # resumed, or superseded
-                            message = (
-                                f"Run {run_id} checkpointed at step {step} and left: the job "
-                                f"is {seen.get('status')} with current run {seen.get('current')}"
-                            )
-                        reporter.post("message", message=message)
-                return
-            due = every and step % every == 0 and step % steps_per_epoch and step < total_steps
-            if due and not save_checkpoint(False, {"train_loss": last_loss}):
-                return
-        epoch += 1
-        if step < total_steps and not save_checkpoint(False, {"train_loss": last_loss}):
-            return
+    # -- stopping and checkpoints ------------------------------------------------------
+    def requested_stop(self, state: TrainState) -> str | None:
+        """'paused' or 'cancelled' when the controller asked this run to stop (the job was
+        paused or cancelled, or resumed before this run saw the pause, or another run is
+        now its current one: ``progress.wanted_stop``); rank 0 asks the run's channel and
+        every rank learns the answer, so all leave at the same step."""
+        code = 0
+        if self.is_chief:
+            stop = self.reporter.sync()
+            if stop is not None:
+                state.stop_seen.update(status=stop["status"], current=stop["current"])
+                code = {"paused": 1, "cancelled": 2}[stop["stop"]]
+        return {1: "paused", 2: "cancelled"}.get(self.from_chief(code))
 
-    save_checkpoint(True, {"train_loss": last_loss, "trained_tokens": trained_tokens})
+    def pause(self, state: TrainState) -> None:
+        """Checkpoint and say so: the next run continues from here."""
+        if not self.save_checkpoint(
+            state, False, {"train_loss": state.last_loss, "stopped": "paused"}
+        ):
+            return
+        if self.is_chief:
+            message = f"Paused at step {state.step}"
+            seen = state.stop_seen
+            if seen.get("status") != "paused":  # resumed, or superseded
+                message = (
+                    f"Run {self.run_id} checkpointed at step {state.step} and left: the job "
+                    f"is {seen.get('status')} with current run {seen.get('current')}"
+                )
+            self.reporter.post("message", message=message)
+
+    def from_chief(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank."""
+        if self.distributed:
+            flag = torch.tensor([value], device=self.device)
+            dist.broadcast(flag, src=0)
+            value = int(flag.item())
+        return value
+
+    def save_checkpoint(self, state: TrainState, final: bool, metrics: dict[str, Any]) -> bool:
+        """Report a checkpoint into the artifact store as ``checkpoints/{job}/step-N``;
+        False on every rank when the disk was full (the run must leave: see ``disk_full``)."""
+        name = Keys.checkpoint_name(state.step)
+        # sharded: every rank takes part in gathering the full tensors onto rank 0
+        gathered = sharding.gather_state(self.model, self.optimizer) if self.sharded else None
+        rng = ckpt_files.rng_states(self.device, self.world)
+        full = 0
+        # what was said so far is in the database before a checkpoint a later run could
+        # resume from exists (the channel may die with its Ray: a crash loses no step)
+        if self.is_chief and not self.reporter.flush(FLUSH_WAIT_S):
+            print(f"run {self.run_id}: the controller has not written its reports in "
+                  f"{FLUSH_WAIT_S:.0f}s; checkpointing anyway", flush=True)  # fmt: skip
+        reported = {**metrics, "step": state.step, "final": final}
+        with tempfile.TemporaryDirectory() as tmp:
+            if not self.is_chief:
+                ray.train.report(reported)
+            else:
+                try:
+                    ckpt_files.save(
+                        Path(tmp),
+                        self.built,
+                        self.spec,
+                        self.optimizer,
+                        self.scheduler,
+                        extra={
+                            "step": state.step,
+                            "trained_tokens": state.trained_tokens,
+                            "micro_batch": self.micro,
+                        },
+                        rng=rng,
+                        scaler=self.scaler,
+                        gathered=gathered,
+                    )
+                    ray.train.report(
+                        reported,
+                        checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                        checkpoint_dir_name=name,
+                    )
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    failed = self.disk_full(state, exc)
+                    full = 1
+                    ray.train.report({**reported, "final": False, "failed": failed})
+                else:
+                    state.saved.append(state.step)
+                    self.reporter.post(
+                        "checkpoint",
+                        step=state.step,
+                        path=f"{self.config['checkpoints_key']}/{name}",
+                        metrics=metrics,
+                    )
+        return not self.from_chief(full)
+
+    def disk_full(self, state: TrainState, exc: OSError) -> dict[str, str | None]:
+        """On the chief, a checkpoint that found the disk full: nothing of it is kept (Ray
+        Train never saw it), the run records why and leaves, and the job fails with this
+        error (not retried: the next run would find the same disk)."""
+        previous = f"step {state.saved[-1]}" if state.saved else "none"
+        message = (
+            f"no space left on the device while writing the checkpoint of step {state.step} "
+            f"({exc.filename or exc.strerror}); the newest checkpoint before it ({previous}) "
+            "is intact. Free space in the artifact store and the workers' temporary "
+            "folder, then create the job again"
+        )
+        failed = {"code": "disk_full", "message": message, "param": None}
+        self.reporter.post(
+            "message",
+            message=f"Checkpoint failed: {message}",
+            level="error",
+            data={"error": failed},
+        )
+        return failed

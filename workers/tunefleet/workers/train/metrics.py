@@ -50,6 +50,24 @@ def flops_per_token(total_params: int, trainable_params: int, config: Any, seq: 
     return per_param * total_params + 12 * layers * hidden * seq
 
 
+def mfu(
+    *,
+    tokens: int,
+    labels: int,
+    flops_per_token: float,
+    output_layer_flops: float,
+    seconds: float,
+    peak_flops: float,
+) -> float | None:
+    """Model FLOPs utilisation of ``tokens`` trained in ``seconds`` (``labels`` of them
+    labelled: the output layer runs only there) against ``peak_flops`` (every worker's
+    device at its peak); None without a peak (a CPU emulating the dtype)."""
+    if not peak_flops:
+        return None
+    done = tokens * (flops_per_token - output_layer_flops) + labels * output_layer_flops
+    return done / seconds / peak_flops
+
+
 def output_layer_flops(total_params: int, trainable_params: int, config: Any) -> float:
     """The part of ``flops_per_token`` that is the output layer's. The loop runs it only at
     labelled positions (``loss.py``) and counts it only there."""
