@@ -197,9 +197,16 @@ def measure_each(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+# What the measuring process takes of its caller's environment: nothing else, so that the
+# same case measures the same alone and after a whole test session (whose fixtures leave
+# Ray, S3 and other settings in the environment).
+KEPT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")
+
+
 def run_cases(cases: list[dict[str, Any]], threads: int = 2) -> list[dict[str, Any]]:
     """``measure_each`` in a fresh process of ``threads`` compute threads."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(threads)}
+    env = {k: os.environ[k] for k in KEPT_ENV if k in os.environ}
+    env.update(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))
     out = subprocess.run(
         [sys.executable, __file__, "--measure", json.dumps(cases)],
         env=env,
