@@ -90,6 +90,22 @@ def _events(client: httpx.Client, job_id: str) -> list[dict[str, Any]]:
         after = page["data"][-1]["id"]
 
 
+def _story(client: httpx.Client, job_id: str, log_path: Path) -> str:
+    """What went on, for a failure message: the job's events other than metrics, then what the
+    controller logged (a string: pytest shows it whole, where it cuts a tuple's repr)."""
+    events = [
+        f"{e['created_at']} {e['level']}: {e['message'][:400]}"
+        for e in _events(client, job_id)
+        if e["type"] != "metrics"
+    ]
+    said = [
+        line[:400]
+        for line in log_path.read_text().splitlines()
+        if "tunefleet.workers" in line or "Error" in line
+    ]
+    return "\n".join(["events:", *events, "controller:", *said[-40:]])
+
+
 def _wait_step(client: httpx.Client, job_id: str, step: int, timeout: float = 240) -> int:
     deadline = time.monotonic() + timeout
     while True:
@@ -179,7 +195,7 @@ def test_postgres_away_then_tunefleet_up_killed_mid_training_lose_nothing(
             assert time.monotonic() < deadline, job
             assert up.poll() is None, log_path.read_text()[-4000:]
             time.sleep(1)
-        assert job["status"] == "succeeded", (job, log_path.read_text()[-4000:])
+        assert job["status"] == "succeeded", _story(client, job_id, log_path)
 
         events = _events(client, job_id)
         messages = [e["message"] for e in events]

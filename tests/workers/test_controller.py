@@ -306,6 +306,50 @@ def test_a_refused_submit_is_retried_after_a_backoff(settings: Settings) -> None
     assert twin.submitted == [f"{job_id}-2"]  # the next attempt went through
 
 
+def test_a_submit_that_raised_but_was_taken_keeps_its_channel_and_stops_cleanly(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray's Jobs API can answer a submit with an error (its head timing out on its agent)
+    and start the run anyway, a moment later. While Ray does not know the run, its channel
+    stays open (``UNKNOWN_RUN_GRACE_S``): the run, once started, reports through it and
+    learns to leave (its job moved on), instead of failing on a closed channel."""
+    from tunefleet.workers import controller as controller_module
+
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    job_id = _job(settings)
+    sid = f"{job_id}-1"
+    twin.refuse_submits = 1
+    ctl.tick()  # dispatched, the submit raised: queued with a backoff
+    for _ in range(3):
+        ctl.tick()  # Ray does not know the run yet
+    assert sid in twin.channels
+    twin.status[sid] = "RUNNING"  # the submit was taken after all
+    twin.channels[sid].post([{"kind": "message", "message": "hello"}])
+    ctl.tick()
+    stop, _ = twin.channels[sid].post([])
+    assert stop is not None and stop["stop"] == "paused"  # not its job's run: leave
+    twin.status[sid] = "SUCCEEDED"  # it left
+    ctl.tick()
+    assert sid not in twin.channels  # closed once Ray says it ended
+    with session_scope(settings.resolved_database_url) as s:
+        assert "hello" in [e.message for e in list_events(s, job_id, limit=100)[0]]
+
+    # a run Ray never takes: its channel is closed once the grace has passed
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "queued"
+        job.not_before = 0
+    twin.refuse_submits = 1
+    ctl.tick()
+    sid = f"{job_id}-2"
+    ctl.tick()
+    assert sid in twin.channels
+    monkeypatch.setattr(controller_module, "UNKNOWN_RUN_GRACE_S", 0.0)
+    ctl.tick()
+    assert sid not in twin.channels
+
+
 def test_a_submit_refused_every_time_fails_the_job(settings: Settings) -> None:
     twin = TwinBackend()
     ctl = Controller(settings, twin)  # type: ignore[arg-type]

@@ -94,6 +94,10 @@ def failpoint(name: str) -> None:
 
 # A paused run checkpoints and exits at its next step; past this it is stopped outright.
 PAUSE_GRACE_S = 120
+# A run Ray does not know while its job has moved on keeps its channel this long: a submit
+# that raised (the Jobs API's head timing out on its agent under load) may still have been
+# taken, and the run, once it starts, must find its channel to learn that it is to stop.
+UNKNOWN_RUN_GRACE_S = 60.0
 # A base model whose Serve application failed to deploy is tried again after this long.
 SERVE_RETRY_S = 60
 
@@ -127,6 +131,7 @@ class Controller:
         self._serving = futures.ThreadPoolExecutor(1, thread_name_prefix="serving")
         self._deploying: dict[str, tuple[float, futures.Future[str]]] = {}
         self._asked: dict[str, dict[str, Any] | None] = {}  # run id -> the stop it was told
+        self._unknown: dict[str, float] = {}  # run id -> when Ray first did not know it
         # base model -> the serving configuration its replicas last applied, and the push
         # in flight on its own thread (a merge takes seconds)
         self._pushed: dict[str, dict[str, list[str]]] = {}
@@ -510,16 +515,25 @@ class Controller:
 
     def _relay_runs(self) -> None:
         """Every open run channel: write what its run reported, tell it whether to stop;
-        close the channel of a run that ended and is no longer its job's running one."""
+        close the channel of a run that is no longer its job's running one once Ray says
+        it ended (or has not known it for ``UNKNOWN_RUN_GRACE_S``)."""
         for sid in self.backend.open_channels():
             job_id = sid.rsplit("-", 1)[0]
             with moved_on(job_id), self._job_alone(job_id):
                 current = self.relay(job_id, sid)
-                if current or self.backend.run_status(sid).status not in TERMINAL_RAY | {NOT_FOUND}:
+                status = None if current else self.backend.run_status(sid).status
+                if status == NOT_FOUND:
+                    since = self._unknown.setdefault(sid, time.monotonic())
+                    if time.monotonic() - since < UNKNOWN_RUN_GRACE_S:
+                        continue
+                elif status not in TERMINAL_RAY:
+                    self._unknown.pop(sid, None)
                     continue
                 self.relay(job_id, sid)  # what it said between the two looks
                 self.backend.close_channel(sid)
+                log.info("closed the channel of run %s (Ray: %s)", sid, status)
                 self._asked.pop(sid, None)
+                self._unknown.pop(sid, None)
 
     def relay(self, job_id: str, sid: str) -> bool:
         """Write what run ``sid`` reported on its job (each record once: ``progress.apply``)
@@ -584,6 +598,7 @@ class Controller:
         at once, to continue from its newest checkpoint wherever the scheduler places it
         now. The job's failure count is left alone: the job did nothing wrong."""
         self.relay(job_id, sid)  # what it said before it was cut off
+        log.warning("run %s of job %s lost node(s) %s; placing the job again", sid, job_id, lost)
         self.backend.stop_run(sid)
         with self._writing() as s:
             transition(
@@ -671,6 +686,12 @@ class Controller:
     def _retry(self, job_id: str, sid: str, retry: Retry, message: str) -> None:
         """Requeue a job whose run failed, to start again after a backoff; the next run
         restores the newest checkpoint."""
+        tail = self.backend.run_logs_tail(sid)
+        log.warning(
+            "run %s of job %s failed (%s); retrying in %ss (failure %d of %d)%s",
+            sid, job_id, message or "no message", retry.delay_s, retry.failures,
+            MAX_RUN_FAILURES, f"; its last log lines:\n{tail}" if tail else "",
+        )  # fmt: skip
         with self._writing() as s:
             transition(
                 s,
