@@ -43,8 +43,20 @@ def build_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
+HIDDEN = 64  # the tiny models' width
+
+
+def multiplier_for(rate: float, method: str = "lora") -> float:
+    """The ``learning_rate_multiplier`` that trains a tiny model at ``rate`` with
+    ``method``: a multiplier scales a base rate that follows the model's width
+    (``platform/defaults.py``), so a test that needs a given rate names the rate."""
+    from tunefleet.platform.defaults import base_learning_rate
+
+    return rate / base_learning_rate(method, {"hidden_size": HIDDEN})[0]
+
+
 def build_tiny_llama(
-    folder: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, bias: bool = False
+    folder: Path, *, seed: int = 0, layers: int = 2, hidden: int = HIDDEN, bias: bool = False
 ) -> Path:
     """Write a random Llama (safetensors) and the tokenizer into ``folder``."""
     import torch

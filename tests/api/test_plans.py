@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from conftest import TINY, upload_chat
 from conftest import auth as H
+from tunefleet.platform import defaults
 from tunefleet.platform.settings import Settings
 
 
@@ -134,3 +136,58 @@ def test_the_dry_run_shows_the_plan_the_job_stores(settings: Settings, key_a: st
     job = tight.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body).json()
     assert job["tunefleet"]["gradient_checkpointing"] is True
     assert dry == job["tunefleet"]["plan"] and dry["advice"]["fits"]
+
+
+def test_auto_hyperparameters_follow_the_training_file_and_say_so(
+    settings: Settings, key_a: str
+) -> None:
+    """Epochs and batch size "auto" follow the file's size, the learning rate the model's
+    width: the job shows what they settled on, its first event says why, and the dry run
+    of the same body (with the same file) plans the same batch."""
+    client = _client_with_device(settings, 80)
+    rows = "".join(
+        json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                 {"role": "assistant", "content": f"a{i}"}]}) + "\n"
+        for i in range(300)
+    )  # fmt: skip
+    resp = client.post("/v1/files", headers=H(key_a), data={"purpose": "fine-tune"},
+                       files={"file": ("big.jsonl", rows.encode())})  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    big, small = resp.json()["id"], _upload(client, key_a)  # 300 examples, and one
+
+    job = client.post(
+        "/v1/fine_tuning/jobs", headers=H(key_a), json={"model": TINY, "training_file": big}
+    ).json()
+    assert job["hyperparameters"] == {"n_epochs": 3, "batch_size": 8,
+                                      "learning_rate_multiplier": 1.0}  # fmt: skip
+    rate = defaults.base_learning_rate("lora", json.loads((settings.resolved_model_registry
+                                       / TINY / "config.json").read_text()))[0]  # fmt: skip
+    assert job["tunefleet"]["learning_rate"] == pytest.approx(rate)
+    events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", headers=H(key_a)).json()
+    first = events["data"][-1]
+    assert "auto settled n_epochs 3 (300 examples); batch_size 8" in first["message"], first
+    assert first["data"]["auto"].keys() == {"n_epochs", "batch_size", "learning_rate_multiplier"}
+    plan = client.post(
+        "/v1/plans", headers=H(key_a), json={"model": TINY, "training_file": big}
+    ).json()
+    assert plan == job["tunefleet"]["plan"]
+
+    # one example: more epochs (OpenAI's rule: at least 100 seen), the smallest batch
+    job = client.post(
+        "/v1/fine_tuning/jobs", headers=H(key_a), json={"model": TINY, "training_file": small}
+    ).json()
+    assert job["hyperparameters"]["n_epochs"] == defaults.MAX_EPOCHS
+    assert job["hyperparameters"]["batch_size"] == defaults.MIN_BATCH
+    # what was set is kept, and said nowhere as auto; the multiplier scales the same rate
+    job = client.post(
+        "/v1/fine_tuning/jobs",
+        headers=H(key_a),
+        json={"model": TINY, "training_file": big,
+              "hyperparameters": {"n_epochs": 2, "batch_size": 2,
+                                  "learning_rate_multiplier": 0.5}},
+    ).json()  # fmt: skip
+    assert job["hyperparameters"] == {"n_epochs": 2, "batch_size": 2,
+                                      "learning_rate_multiplier": 0.5}  # fmt: skip
+    assert job["tunefleet"]["learning_rate"] == pytest.approx(rate * 0.5)
+    events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", headers=H(key_a)).json()
+    assert "auto" not in events["data"][-1]["message"]

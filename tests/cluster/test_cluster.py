@@ -36,6 +36,7 @@ from conftest import CLI, TINY, _create_pg_database, create_tenants
 from helmchart import CHART, container, find, render
 from raycluster import free_port, ray_cluster, ray_node, stop_process
 from s3 import new_bucket
+from tinyllm import multiplier_for
 from tunefleet.platform.artifacts import open_store
 from tunefleet.platform.serving_contract import SECRET_HEADER
 
@@ -212,7 +213,11 @@ def test_two_tenants_train_and_serve_through_a_controller_failover(
             model=TINY,
             training_file=upload.id,
             seed=1,
-            hyperparameters={"n_epochs": STEPS, "batch_size": 4, "learning_rate_multiplier": 50},
+            hyperparameters={
+                "n_epochs": STEPS,
+                "batch_size": 4,
+                "learning_rate_multiplier": multiplier_for(1e-2),
+            },
             extra_body={
                 "tunefleet": {
                     "lora": {"r": 8, "alpha": 16, "target_modules": ["all-linear"]},
@@ -329,7 +334,11 @@ def test_a_job_whose_node_is_lost_resumes_from_its_newest_checkpoint_in_s3(
         model=TINY,
         training_file=upload.id,
         seed=2,
-        hyperparameters={"n_epochs": epochs, "batch_size": 2, "learning_rate_multiplier": 50},
+        hyperparameters={
+            "n_epochs": epochs,
+            "batch_size": 2,
+            "learning_rate_multiplier": multiplier_for(1e-2),
+        },
         extra_body={"tunefleet": {"checkpoint_every_steps": 5}},
     )
     deadline = time.monotonic() + 300

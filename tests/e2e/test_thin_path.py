@@ -21,6 +21,7 @@ import pytest
 from conftest import auth, create_tenants
 from raycluster import free_port, stop_process
 from s3 import new_bucket
+from tinyllm import multiplier_for
 from tunefleet.platform.artifacts import open_store
 from tunefleet.platform.serving_contract import ADAPTER_HEADER, SECRET_FILE, SECRET_HEADER
 
@@ -154,7 +155,7 @@ def acme_job(stack: dict[str, Any]) -> dict[str, Any]:
                     "hyperparameters": {
                         "n_epochs": 10,
                         "batch_size": 4,
-                        "learning_rate_multiplier": 50,
+                        "learning_rate_multiplier": multiplier_for(1e-2),
                     }
                 },
             },
@@ -792,7 +793,7 @@ def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_can
                 "hyperparameters": {
                     "n_epochs": 50,
                     "batch_size": 2,
-                    "learning_rate_multiplier": 50,
+                    "learning_rate_multiplier": multiplier_for(1e-2),
                 }
             },
         },

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
+from tunefleet.platform.defaults import settle
 from tunefleet.platform.errors import InvalidRequest
 from tunefleet.platform.jobs import JobCreateRequest
 from tunefleet.platform.planner import GiB, resolve_spec
@@ -153,7 +154,15 @@ def test_create_bodies_validate_or_refuse(data: dict[str, Any]) -> None:
     except ValueError:  # NaN or an infinity: not JSON, json.dumps wrote it anyway
         assert "NaN" in json.dumps(data) or "Infinity" in json.dumps(data)
         return
-    request.resolved_hyperparameters()
+    options = request.tunefleet or TuneFleetOptions()
+    for examples in (None, 1, 120, 10**6):
+        settle(
+            request.asked_hyperparameters(),
+            method=options.method,
+            config=SMOLLM,
+            examples=examples,
+            workers=options.resources.num_workers,
+        )
 
 
 # SmolLM2-135M's shape: what the planner plans every new job for.

@@ -25,6 +25,7 @@ import torch
 from sqlalchemy import select
 
 from conftest import add_chat_file
+from tinyllm import multiplier_for
 from tunefleet.platform.artifacts import ArtifactStore
 from tunefleet.platform.db import Job, JobEvent, session_scope
 from tunefleet.platform.db.migrate import upgrade
@@ -32,6 +33,7 @@ from tunefleet.platform.jobs import JobCreateRequest, create_job
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.planner import PlanDevice
 from tunefleet.platform.settings import get_settings
+from tunefleet.platform.spec import BASE_LEARNING_RATE
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
 from tunefleet.workers.backend import RayBackend
 from tunefleet.workers.controller import Controller
@@ -103,6 +105,10 @@ def ray_env(tmp_path_factory: pytest.TempPathFactory, ray_cluster: Any) -> Itera
 
 
 def _job(env: dict[str, Any], epochs: int, multiplier: float, tunefleet: dict[str, Any]) -> str:
+    """A job of ``epochs`` at ``multiplier`` times its method's ``BASE_LEARNING_RATE`` (the
+    rate these cases were tuned at, whatever base the tiny model's width gives the job)."""
+    method = tunefleet.get("method", "lora")
+    rate = multiplier * BASE_LEARNING_RATE[method]
     with session_scope(env["url"]) as s:
         req = JobCreateRequest.model_validate(
             {
@@ -112,7 +118,7 @@ def _job(env: dict[str, Any], epochs: int, multiplier: float, tunefleet: dict[st
                 "hyperparameters": {
                     "n_epochs": epochs,
                     "batch_size": 4,
-                    "learning_rate_multiplier": multiplier,
+                    "learning_rate_multiplier": multiplier_for(rate, method),
                 },
                 "tunefleet": {"max_seq_len": 64, **tunefleet},
             }
@@ -435,7 +441,11 @@ def _validated_job(env: dict[str, Any]) -> str:
                 "training_file": env["file"],
                 "validation_file": valid,
                 "seed": 3,
-                "hyperparameters": {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 20},
+                "hyperparameters": {
+                    "n_epochs": 2,
+                    "batch_size": 4,
+                    "learning_rate_multiplier": multiplier_for(4e-3),
+                },
                 "tunefleet": {
                     "max_seq_len": 64,
                     "resources": {"num_workers": 2, "cpus_per_worker": 0.5},

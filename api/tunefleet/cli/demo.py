@@ -23,33 +23,13 @@ from tunefleet.platform.settings import Settings
 from tunefleet.platform.tenants import create_key, create_tenant
 
 DATA = files("tunefleet.cli") / "data"
-# LoRA on attention and MLP, a high learning rate and short sequences: the style is
-# learned in a few dozen CPU steps.
+# The platform's defaults (LoRA r=16 on every linear layer, "auto" hyperparameters: see
+# docs/training.md), on short sequences and a few dozen steps, which CPUs can afford.
 DEMO_JOB: dict[str, Any] = {
     "model": BUILTIN_MODEL,
     "suffix": "pirate",
     "seed": 7,
-    "method": {
-        "type": "supervised",
-        "supervised": {
-            "hyperparameters": {"n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 5.0}
-        },
-    },
     "tunefleet": {
-        "lora": {
-            "r": 16,
-            "alpha": 32,
-            "dropout": 0.0,
-            "target_modules": [
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ],
-        },
         "max_seq_len": 128,
         "max_steps": 30,
         "resources": {"num_workers": 1, "cpus_per_worker": 2},

@@ -27,16 +27,15 @@ from pydantic import (
 from sqlalchemy import Executable, Row, and_, bindparam, exists, func, insert, select
 from sqlalchemy.orm import Session
 
+from tunefleet.platform import defaults
 from tunefleet.platform.db.models import File, Job, JobEvent
+from tunefleet.platform.defaults import Settled
 from tunefleet.platform.errors import InvalidRequest, NotFound, QuotaExceeded
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.planner import PlanDevice, plan_for_spec, resolve_spec
 from tunefleet.platform.spec import (
-    AUTO_BATCH_SIZE,
-    AUTO_LR_MULTIPLIER,
-    AUTO_N_EPOCHS,
-    Hyperparameters,
+    BASE_LEARNING_RATE,
     JobSpec,
     TuneFleetOptions,
 )
@@ -185,17 +184,18 @@ class JobCreateRequest(BaseModel):
                 )
         return self
 
-    def resolved_hyperparameters(self) -> Hyperparameters:
+    def asked_hyperparameters(self) -> dict[str, Any]:
+        """The hyperparameters as asked (``method`` wins over the deprecated top-level
+        ``hyperparameters``), each a value or "auto" (``defaults.settle`` resolves them)."""
         hp = self.hyperparameters or HyperparametersIn()
         if self.method and self.method.supervised:
             hp = self.method.supervised.hyperparameters
-        return Hyperparameters(
-            n_epochs=AUTO_N_EPOCHS if hp.n_epochs == "auto" else hp.n_epochs,
-            batch_size=AUTO_BATCH_SIZE if hp.batch_size == "auto" else hp.batch_size,
-            learning_rate_multiplier=AUTO_LR_MULTIPLIER
-            if hp.learning_rate_multiplier == "auto"
-            else hp.learning_rate_multiplier,
-        )
+        return hp.model_dump()
+
+    def asks_auto_from_data(self) -> bool:
+        """Whether an "auto" here depends on the training file's size."""
+        asked = self.asked_hyperparameters()
+        return "auto" in (asked["n_epochs"], asked["batch_size"])
 
 
 def _explain_waiting(session: Session, principal: Principal) -> None:
@@ -327,12 +327,45 @@ _JOB_COLUMNS = (
 _EVENT_COLUMNS = ("id", "job_id", "created_at", "level", "type", "message", "data")
 
 
+def training_examples(session: Session, tenant_id: str, file_id: str) -> int | None:
+    """The number of examples in the tenant's file ``file_id`` (None: no such file, or
+    stored before files counted them): what "auto" epochs and batch size follow.
+
+    Remembered per process: a file never changes once processed and its id is never given
+    again, so job creation reads it once per file (creation stays one statement on
+    PostgreSQL: ``_create_statement``); whether the file is still usable is the insert's
+    own check."""
+    key = (tenant_id, file_id)
+    if (known := _EXAMPLES.get(key)) is not None:
+        return known
+    stats = session.scalar(
+        select(File.stats).where(File.id == file_id, File.tenant_id == tenant_id)
+    )
+    examples = (stats or {}).get("examples")
+    if not isinstance(examples, int):
+        return None
+    if len(_EXAMPLES) >= _EXAMPLES_MAX:
+        _EXAMPLES.clear()
+    _EXAMPLES[key] = examples
+    return examples
+
+
+_EXAMPLES: dict[tuple[str, str], int] = {}  # (tenant, file id) -> examples
+_EXAMPLES_MAX = 65_536
+
+
 def build_spec(
-    req: JobCreateRequest, *, job_id: str, tenant_id: str, config: dict[str, Any]
-) -> JobSpec:
-    """The spec a job of ``req`` runs on a model of ``config``, before the planner settles
-    its ``auto`` settings (``resolve_spec``): the one builder behind job creation and the
-    dry runs (``POST /v1/plans``, ``tunefleet plan``), with the checks that need the
+    req: JobCreateRequest,
+    *,
+    job_id: str,
+    tenant_id: str,
+    config: dict[str, Any],
+    examples: int | None,
+) -> tuple[JobSpec, Settled]:
+    """The spec a job of ``req`` runs on a model of ``config`` with a training file of
+    ``examples``, before the planner settles its memory settings (``resolve_spec``), and
+    what its "auto" hyperparameters settled on: the one builder behind job creation and
+    the dry runs (``POST /v1/plans``, ``tunefleet plan``), with the checks that need the
     model (BitFit needs bias terms)."""
     options = req.tunefleet or TuneFleetOptions()
     if options.method == "bitfit" and not (
@@ -344,26 +377,42 @@ def build_spec(
             "e.g. 'lora' or 'ia3'",
             param="tunefleet.method",
         )
-    return JobSpec(
+    settled = defaults.settle(
+        req.asked_hyperparameters(),
+        method=options.method,
+        config=config,
+        examples=examples,
+        workers=options.resources.num_workers,
+    )
+    spec = JobSpec(
         job_id=job_id,
         tenant_id=tenant_id,
         model=req.model,
         training_file=req.training_file,
         validation_file=req.validation_file,
-        hyperparameters=req.resolved_hyperparameters(),
+        hyperparameters=settled.hyperparameters,
+        base_learning_rate=settled.base_learning_rate,
         seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
         suffix=req.suffix,
         tunefleet=options,
     )
+    return spec, settled
 
 
 def dry_run(
-    req: JobCreateRequest, config: dict[str, Any], *, tenant_id: str, device: PlanDevice
+    req: JobCreateRequest,
+    config: dict[str, Any],
+    *,
+    tenant_id: str,
+    device: PlanDevice,
+    examples: int | None = None,
 ) -> dict[str, Any]:
-    """The plan a job of ``req`` would run on ``device``: the plan of the spec the planner
-    settles, as job creation stores it; when the job does not fit (which creation refuses),
-    the plan of the spec as asked, whose advice says why and what would fit."""
-    spec = build_spec(req, job_id="plan", tenant_id=tenant_id, config=config)
+    """The plan a job of ``req`` would run on ``device`` with a training file of
+    ``examples`` (None: not known): the plan of the spec the planner settles, as job
+    creation stores it; when the job does not fit (which creation refuses), the plan of the
+    spec as asked, whose advice says why and what would fit."""
+    spec, _ = build_spec(req, job_id="plan", tenant_id=tenant_id, config=config,
+                         examples=examples)  # fmt: skip
     try:
         return resolve_spec(
             config, spec, device_bytes=device.memory_bytes, host_bytes=device.host_bytes
@@ -399,7 +448,14 @@ def create_job(
             param="tunefleet.resources",
         )
     job_id = new_id("job")
-    spec = build_spec(req, job_id=job_id, tenant_id=principal.tenant_id, config=config)
+    examples = (
+        training_examples(session, principal.tenant_id, req.training_file)
+        if req.asks_auto_from_data()
+        else None
+    )
+    spec, settled = build_spec(
+        req, job_id=job_id, tenant_id=principal.tenant_id, config=config, examples=examples
+    )
     plan = None
     if device is not None:
         spec, plan = resolve_spec(
@@ -433,8 +489,9 @@ def create_job(
         "created_at": now,
         "level": "info",
         "type": "message",
-        "message": f"Created fine-tuning job: {job_id}",
-        "data": None,
+        "message": f"Created fine-tuning job: {job_id}"
+        + (f"; {said}" if (said := settled.describe()) else ""),
+        "data": {"auto": settled.reasons} if settled.reasons else None,
     }
     usable = [("training_file", req.training_file)]
     if req.validation_file:
@@ -502,11 +559,18 @@ def job_view(job: Job | Row[Any]) -> dict[str, Any]:
         "user_provided_suffix": spec.get("suffix"),
         "tunefleet": {
             **spec["tunefleet"],
+            "learning_rate": _learning_rate(spec),
             "file_stats": job.stats,
             "plan": job.plan,
             "unused_request_fields": extra,
         },
     }
+
+
+def _learning_rate(spec: dict[str, Any]) -> float:
+    """The learning rate a stored spec trains at (``JobSpec.learning_rate``, from JSON)."""
+    base = spec.get("base_learning_rate") or BASE_LEARNING_RATE[spec["tunefleet"]["method"]]
+    return float(base * spec["hyperparameters"]["learning_rate_multiplier"])
 
 
 def event_view(event: JobEvent) -> dict[str, Any]:

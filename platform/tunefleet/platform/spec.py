@@ -16,12 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 SPEC_VERSION: Literal[1] = 1
 
-# What "auto" resolves to (docs/api.md, "Jobs").
-AUTO_N_EPOCHS = 3
-AUTO_BATCH_SIZE = 4
-AUTO_LR_MULTIPLIER = 1.0
 # Base learning rates that learning_rate_multiplier scales, per method (the values the
-# methods' papers and peft's examples use).
+# methods' papers and peft's examples use). LoRA, QLoRA and full fine-tuning of a
+# Llama-family model use ``base_learning_rate`` instead: these by the model's width.
 BASE_LEARNING_RATE = {
     "lora": 2e-4,
     "qlora": 2e-4,
@@ -66,13 +63,16 @@ class _Frozen(BaseModel):
 
 
 class LoraOptions(_Frozen):
-    """LoRA adapter shape (peft ``LoraConfig``)."""
+    """LoRA adapter shape (peft ``LoraConfig``). The defaults are the seeds' and "LoRA
+    Without Regret"'s recipe, checked by ``bench/efficacy.py`` (docs/training.md,
+    "Defaults"): rank 16 with alpha 2r on every linear layer of the decoder, the MLP
+    included."""
 
-    r: int = Field(default=8, ge=1, le=1024, description="Rank of the low-rank update.")
-    alpha: int = Field(default=16, gt=0, description="Scaling numerator: update = alpha/r * BA.")
+    r: int = Field(default=16, ge=1, le=1024, description="Rank of the low-rank update.")
+    alpha: int = Field(default=32, gt=0, description="Scaling numerator: update = alpha/r * BA.")
     dropout: float = Field(default=0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        default_factory=lambda: list(LINEAR_MODULES),
         min_length=1,
         description="Module names that get an adapter, or ['all-linear'].",
     )
@@ -332,13 +332,19 @@ class JobSpec(_Frozen):
     training_file: str = Field(description="File id of the training data.")
     validation_file: str | None = Field(default=None, description="File id for evaluation.")
     hyperparameters: Hyperparameters
+    base_learning_rate: float | None = Field(
+        default=None,
+        gt=0,
+        description="The learning rate a multiplier of 1.0 means (``defaults.base_learning_"
+        "rate``); None in specs stored before it: the method's ``BASE_LEARNING_RATE``.",
+    )
     seed: int = Field(ge=0, le=2**31 - 1, description="Seed for shuffling and initialisation.")
     suffix: str | None = Field(default=None, description="User suffix in fine_tuned_model.")
     tunefleet: TuneFleetOptions = Field(default_factory=TuneFleetOptions)
 
     @property
     def learning_rate(self) -> float:
-        base = BASE_LEARNING_RATE[self.tunefleet.method]
+        base = self.base_learning_rate or BASE_LEARNING_RATE[self.tunefleet.method]
         return base * self.hyperparameters.learning_rate_multiplier
 
 

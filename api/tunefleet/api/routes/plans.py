@@ -1,6 +1,7 @@
 """``POST /v1/plans``: a dry run of a job. Same body as ``POST /v1/fine_tuning/jobs``
-(files are not needed and not checked), plus the device to plan for; answers with the
-memory breakdown of what the job would run, as creating it would settle it
+(files are not needed and not checked: a training file of the caller's settles "auto"
+epochs and batch size as creating the job would), plus the device to plan for; answers
+with the memory breakdown of what the job would run, as creating it would settle it
 (``jobs.dry_run``), and the tuning chart's advice."""
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import Field
 
-from tunefleet.api.deps import PrincipalDep, RegistryDep, SettingsDep
+from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep
 from tunefleet.api.openapi import Plan, ok
-from tunefleet.platform.jobs import JobCreateRequest, dry_run
+from tunefleet.platform.jobs import JobCreateRequest, dry_run, training_examples
 from tunefleet.platform.planner import PlanDevice
 
 router = APIRouter(prefix="/v1/plans", tags=["planner"])
@@ -36,11 +37,26 @@ class PlanRequest(JobCreateRequest):
 
 @router.post("", responses=ok(Plan))
 async def create_plan(
-    body: PlanRequest, principal: PrincipalDep, registry: RegistryDep, settings: SettingsDep
+    body: PlanRequest,
+    principal: PrincipalDep,
+    registry: RegistryDep,
+    settings: SettingsDep,
+    session: SessionDep,
 ) -> dict[str, Any]:
     registry.require(body.model)
     device = PlanDevice.from_gb(
         body.device_memory_gb or settings.device_memory_gb,
         body.host_memory_gb or settings.host_memory_gb,
     )
-    return dry_run(body, registry.config(body.model), tenant_id=principal.tenant_id, device=device)
+    examples = (
+        training_examples(session, principal.tenant_id, body.training_file)
+        if body.asks_auto_from_data()
+        else None
+    )
+    return dry_run(
+        body,
+        registry.config(body.model),
+        tenant_id=principal.tenant_id,
+        device=device,
+        examples=examples,
+    )
