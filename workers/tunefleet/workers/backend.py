@@ -86,7 +86,11 @@ class RayBackend:
         from ray.job_submission import JobSubmissionClient
 
         self._client = JobSubmissionClient(dashboard)
-        log.info("Ray Jobs API at %s", dashboard)
+        log.info(
+            "Ray Jobs API at %s, for the Ray cluster at %s",
+            dashboard,
+            ray.get_runtime_context().gcs_address,
+        )
 
     def nodes(self) -> list[Node]:
         """The cluster's live nodes: total CPUs and GPUs, and what Ray has free on each now

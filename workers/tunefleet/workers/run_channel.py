@@ -19,9 +19,12 @@ and everything it said is in the database.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "tunefleet"
 HUB = "run-channels"
@@ -120,6 +123,11 @@ def hub() -> Any:
             num_cpus=0,
             resources={"node:__internal_head__": 0.001},
         ).remote()
+        log.info(
+            "run channels: actor %s on the Ray cluster at %s",
+            _hub._actor_id.hex(),
+            ray.get_runtime_context().gcs_address,
+        )
     return _hub
 
 
@@ -155,7 +163,14 @@ def run_inputs(run_id: str) -> dict[str, Any]:
     """What the controller put in the run's channel for it (the driver's first call)."""
     inputs: dict[str, Any] | None = call(run_id, "inputs")
     if inputs is None:
-        raise RuntimeError(f"run {run_id} has no channel; the controller opens it")
+        import ray
+
+        raise RuntimeError(
+            f"run {run_id} has no channel in the channels actor "
+            f"{hub()._actor_id.hex()} of the Ray cluster at "
+            f"{ray.get_runtime_context().gcs_address} (open runs: {open_runs()[:5]}); "
+            "the controller opens it before it submits the run"
+        )
     return inputs
 
 

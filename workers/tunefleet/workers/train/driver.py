@@ -210,12 +210,16 @@ def main() -> None:
     except BaseException as exc:  # top of the process: record the failure on the job
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         traceback.print_exc()
-        ChannelReporter(run_id).post(
-            "message",
-            message=f"Training failed: {detail}",
-            level="error",
-            data={"error": {"code": "training_failed", "message": detail}},
-        )
+        try:
+            ChannelReporter(run_id).post(
+                "message",
+                message=f"Training failed: {detail}",
+                level="error",
+                data={"error": {"code": "training_failed", "message": detail}},
+            )
+        except Exception as lost:  # no channel to say it through: the log's last lines do
+            print(f"run {run_id} could not report its failure ({lost}); it failed: {detail}",
+                  flush=True)  # fmt: skip
         raise SystemExit(1) from exc
 
 
