@@ -27,9 +27,8 @@ from pydantic import (
 from sqlalchemy import Executable, Row, and_, bindparam, exists, func, insert, select
 from sqlalchemy.orm import Session
 
-from tunefleet.platform import defaults
 from tunefleet.platform.db.models import File, Job, JobEvent
-from tunefleet.platform.defaults import Settled
+from tunefleet.platform.defaults import Settled, settle
 from tunefleet.platform.errors import InvalidRequest, NotFound, QuotaExceeded
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
@@ -377,7 +376,7 @@ def build_spec(
             "e.g. 'lora' or 'ia3'",
             param="tunefleet.method",
         )
-    settled = defaults.settle(
+    settled = settle(
         req.asked_hyperparameters(),
         method=options.method,
         config=config,
