@@ -122,8 +122,11 @@ def _wait_step(client: httpx.Client, job_id: str, step: int, timeout: float = 24
 
 
 def test_postgres_away_then_tunefleet_up_killed_mid_training_lose_nothing(
-    tmp_path: Path, tiny_registry: Path, database: PgServer
+    tmp_path: Path, tiny_registry: Path, database: PgServer, ray_cluster: Any
 ) -> None:
+    # ``ray_cluster``: another Ray on this machine all along (the session's shared one), as
+    # a user's own `ray start` would be. Ray's Jobs API hands a run's driver whichever
+    # cluster on the machine its "auto" finds; the run must still reach its own.
     env = {
         **os.environ,
         "TUNEFLEET_DATA_DIR": str(tmp_path),
@@ -222,6 +225,8 @@ def test_postgres_away_then_tunefleet_up_killed_mid_training_lose_nothing(
             assert steps[restarted:] == list(range(newest + 1, total + 1)), steps
         # no run recorded a failure: the killed one's driver was stopped before it could
         assert not [e for e in events if e["level"] == "error"], messages
+        # and none failed: each driver reached its own cluster, not the other Ray
+        assert not [m for m in messages if re.match(r"Ray job \S+ failed", m)], messages
     finally:
         print(log_path.read_text()[-8000:])  # shown when the test fails
         stop_process(up, grace_s=60)

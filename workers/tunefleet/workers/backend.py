@@ -124,13 +124,21 @@ class RayBackend:
     # -- runs (Ray Jobs API) -----------------------------------------------------------
     def submit_run(self, submission_id: str, job_id: str, env: dict[str, str]) -> None:
         """Start the training driver for ``job_id``. Submitting an id that exists is a no-op."""
+        import ray
+
         if self.run_status(submission_id).status != NOT_FOUND:
             return
         try:
             self._client.submit_job(
                 entrypoint=f"{sys.executable} -m tunefleet.workers.train.driver {job_id}",
                 submission_id=submission_id,
-                runtime_env={"env_vars": {**_passthrough_env(), **env}},
+                runtime_env={
+                    "env_vars": {
+                        **_passthrough_env(),
+                        run_channel.CLUSTER_ENV: ray.get_runtime_context().gcs_address,
+                        **env,
+                    }
+                },
                 metadata={"tunefleet_job_id": job_id},
             )
         except RuntimeError as exc:  # submitted between the check and here: the same run

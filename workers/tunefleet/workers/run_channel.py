@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "tunefleet"
 HUB = "run-channels"
+# The GCS address of the cluster the controller submitted a run to (and opened its channel
+# on), in the run's environment for its driver's ray.init. Ray's Jobs API gives the driver
+# RAY_ADDRESS as "auto" resolves it on the head, and with two Ray clusters on one machine
+# (an embedded one beside a `ray start`) that is either of them.
+CLUSTER_ENV = "TUNEFLEET_RUN_RAY_ADDRESS"
 # A channel answers in milliseconds; this long means the head is in trouble.
 TIMEOUT_S = 30.0
 

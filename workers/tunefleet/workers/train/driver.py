@@ -22,7 +22,7 @@ from tunefleet.platform.artifacts import Store, artifact_store
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.settings import get_settings
 from tunefleet.platform.spec import JobSpec
-from tunefleet.workers.run_channel import ChannelReporter, run_inputs
+from tunefleet.workers.run_channel import CLUSTER_ENV, ChannelReporter, run_inputs
 
 log = logging.getLogger("tunefleet.driver")
 
@@ -108,7 +108,8 @@ def run(job_id: str, run_id: str) -> None:
     settings = get_settings()
     store = artifact_store(settings)
     if not ray.is_initialized():
-        ray.init()  # the cluster this Ray job runs on
+        # the cluster the controller submitted this run to (run_channel.CLUSTER_ENV)
+        ray.init(address=os.environ.get(CLUSTER_ENV))
     inputs = run_inputs(run_id)
     spec = JobSpec.model_validate(inputs["spec"])
     # the device the plan (and a micro-batch probe on CPU workers) is for
