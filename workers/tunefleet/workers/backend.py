@@ -49,6 +49,7 @@ class RayBackend:
     def __init__(self, settings: Settings):
         self.settings = settings
         self._client: Any = None
+        self._gcs_address = ""  # the cluster's, once connected: its runs are told it
         self._serve_started = False
 
     # -- cluster -----------------------------------------------------------------------
@@ -86,11 +87,8 @@ class RayBackend:
         from ray.job_submission import JobSubmissionClient
 
         self._client = JobSubmissionClient(dashboard)
-        log.info(
-            "Ray Jobs API at %s, for the Ray cluster at %s",
-            dashboard,
-            ray.get_runtime_context().gcs_address,
-        )
+        self._gcs_address = ray.get_runtime_context().gcs_address
+        log.info("Ray Jobs API at %s, for the Ray cluster at %s", dashboard, self._gcs_address)
 
     def nodes(self) -> list[Node]:
         """The cluster's live nodes: total CPUs and GPUs, and what Ray has free on each now
@@ -124,8 +122,6 @@ class RayBackend:
     # -- runs (Ray Jobs API) -----------------------------------------------------------
     def submit_run(self, submission_id: str, job_id: str, env: dict[str, str]) -> None:
         """Start the training driver for ``job_id``. Submitting an id that exists is a no-op."""
-        import ray
-
         if self.run_status(submission_id).status != NOT_FOUND:
             return
         try:
@@ -135,7 +131,7 @@ class RayBackend:
                 runtime_env={
                     "env_vars": {
                         **_passthrough_env(),
-                        run_channel.CLUSTER_ENV: ray.get_runtime_context().gcs_address,
+                        run_channel.CLUSTER_ENV: self._gcs_address,
                         **env,
                     }
                 },
