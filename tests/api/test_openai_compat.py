@@ -18,6 +18,7 @@ from sqlalchemy import select, update
 
 from conftest import CHAT, TINY, upload_chat
 from conftest import auth as H
+from tunefleet.api import create_app
 from tunefleet.api.errors import retry_headers
 from tunefleet.platform.artifacts import artifact_store
 from tunefleet.platform.db import Adapter, AdapterShare, Checkpoint, Job, session_scope
@@ -211,3 +212,43 @@ def test_metadata_is_an_empty_object_when_none_was_given(
     assert sdk.fine_tuning.jobs.retrieve(job.id).metadata == {}
     listed = app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"]
     assert [j["metadata"] for j in listed] == [{}]
+
+
+def test_a_serving_failure_in_plain_text_reaches_the_sdk_as_an_error_object(
+    settings: Settings, live_server: Any, key_a: str
+) -> None:
+    """Ray Serve's proxy answers some failures (a replica that died mid-request) in plain
+    text; the SDK still gets an error object naming the base model and what Serve said,
+    as a 503 it retries."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    calls: list[str] = []
+
+    async def crashed(request: Request) -> PlainTextResponse:
+        calls.append(request.url.path)
+        return PlainTextResponse("Internal Server Error", status_code=500)
+
+    async def alive(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    serve = live_server(
+        Starlette(
+            routes=[
+                Route("/healthz", alive),
+                Route("/{path:path}", crashed, methods=["POST"]),
+            ]
+        )
+    )
+    host, port = serve.removeprefix("http://").split(":")
+    api = create_app(settings.model_copy(update={"serve_host": host, "serve_port": int(port)}))
+    with TestClient(api) as client:
+        sdk = OpenAI(base_url="http://testserver/v1", api_key=key_a, http_client=client)
+        with pytest.raises(openai.InternalServerError) as failed:
+            sdk.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "hi"}])
+    assert failed.value.status_code == 503 and len(calls) == 3  # retried twice, as 5xx are
+    error = failed.value.body
+    assert isinstance(error, dict) and error["code"] == "unavailable", error
+    assert TINY in error["message"] and "500 'Internal Server Error'" in error["message"]

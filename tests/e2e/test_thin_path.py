@@ -620,9 +620,21 @@ def test_openai_sdk_chat_parameters_are_honoured_or_refused_by_name(
     )
     assert json.loads(shaped.choices[0].message.content)["label"] in ("yes", "no")
 
-    # no token limit: as much as the context leaves (the base model never stops)
-    long = sdk.chat.completions.create(model=TINY, messages=ask, temperature=0)
-    assert long.usage.completion_tokens > 256 or long.choices[0].finish_reason == "stop"
+    # json_object: an object (a bias toward "}" closes it at once: the grammar alone
+    # decides what may come first)
+    close = tok("}", add_special_tokens=False)["input_ids"]
+    assert len(close) == 1
+    obj = chat(response_format={"type": "json_object"}, logit_bias={str(close[0]): 100})
+    assert json.loads(obj.choices[0].message.content) == {}, obj
+
+    # no token limit: as much as the context leaves, not 256 (no token that ends a text
+    # can be picked, so only the context stops it)
+    never_end = {str(t): -100 for t in tok.all_special_ids}
+    long = sdk.chat.completions.create(
+        model=TINY, messages=ask, temperature=0, logit_bias=never_end
+    )
+    assert long.choices[0].finish_reason == "length", long
+    assert long.usage.prompt_tokens + long.usage.completion_tokens == 512, long.usage
 
     refused = [
         (dict(max_tokens=5000), "context_length_exceeded", "messages"),
@@ -660,6 +672,7 @@ def test_openai_sdk_chat_parameters_are_honoured_or_refused_by_name(
             "response_format",
         ),
         (dict(logit_bias={"999999": 5}), "invalid_value", "logit_bias"),
+        (dict(stop=list("abcde")), "invalid_request", "stop"),
     ]
     sent = len(sdk.seen)
     for kwargs, code, named in refused:
@@ -753,6 +766,8 @@ def test_openai_sdk_fine_tuning_results_checkpoints_and_listings(
         max_tokens=8,
     )
     assert answer.model == name and answer.choices[0].message.content.strip() == ANSWER
+    completed = sdk.completions.create(model=name, prompt="an apple is", max_tokens=4)
+    assert completed.model == name and completed.usage.completion_tokens == 4
     globex = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["keys"]["globex"])
     with pytest.raises(openai.NotFoundError):
         globex.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
@@ -762,6 +777,11 @@ def test_openai_sdk_fine_tuning_results_checkpoints_and_listings(
 
     files = list(sdk.files.list(limit=1))
     assert len(files) == len({f.id for f in files}) >= 2
+    assert [f.created_at for f in files] == sorted((f.created_at for f in files), reverse=True)
+    oldest_first = list(sdk.files.list(limit=1, order="asc"))
+    assert [f.id for f in oldest_first] == [f.id for f in reversed(files)]
+    after = sdk.files.list(limit=1, order="asc", after=oldest_first[0].id).data
+    assert [f.id for f in after] == [oldest_first[1].id]
     base = sdk.models.retrieve(TINY)
     assert base.created > 0
 
@@ -770,12 +790,26 @@ def test_openai_sdk_fine_tuning_results_checkpoints_and_listings(
     with pytest.raises(openai.ConflictError):
         sdk.fine_tuning.jobs.pause(job.id)
     assert len(sdk.seen) - sent == 1
+    with pytest.raises(openai.RateLimitError, match="max_gpus") as quota:
+        sdk.fine_tuning.jobs.create(
+            model=TINY,
+            training_file=job.training_file,
+            extra_body={"tunefleet": {"resources": {"num_workers": 2, "gpus_per_worker": 8}}},
+        )
+    assert quota.value.response.headers["x-should-retry"] == "false"
+    assert len(sdk.seen) - sent == 2
     with pytest.raises(openai.BadRequestError, match="n_epochs"):
         sdk.fine_tuning.jobs.create(
             model=TINY,
             training_file=files[-1].id,
             method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": "lots"}}},
         )
+    for metadata, named in (({"k" * 65: "v"}, "64"), ({"k": "v" * 513}, "512")):
+        with pytest.raises(openai.BadRequestError, match=named) as bad:
+            sdk.fine_tuning.jobs.create(
+                model=TINY, training_file=job.training_file, metadata=metadata
+            )
+        assert bad.value.param == "metadata", bad.value.body
     _no_server_errors(sdk)
 
 
@@ -806,14 +840,21 @@ def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_can
     job = client.post("/v1/fine_tuning/jobs", json=spec).json()
     # the same job, trained straight through alongside, for resume parity (below)
     straight = client.post("/v1/fine_tuning/jobs", json=spec).json()
+    from openai import OpenAI
+
+    globex = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["keys"]["globex"])
     _wait(client, job["id"], lambda j, ev: len(_steps(ev)) >= 3, "three steps")
-    assert client.post(f"/v1/fine_tuning/jobs/{job['id']}/pause").json()["status"] == "paused"
+    assert globex.fine_tuning.jobs.retrieve(job["id"]).estimated_finish is not None
+    paused = globex.fine_tuning.jobs.pause(job["id"])
+    assert paused.status == "paused" and paused.estimated_finish is None
     _, events = _wait(
         client,
         job["id"],
         lambda j, ev: any(e["message"].startswith("Paused at step") for e in ev),
         "the run to checkpoint and leave",
     )
+    # the run's last reports came after the pause: still no estimate
+    assert globex.fine_tuning.jobs.retrieve(job["id"]).estimated_finish is None
     paused_at = int(
         next(e["message"] for e in events if e["message"].startswith("Paused at step")).split()[-1]
     )
@@ -883,10 +924,11 @@ def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_can
     # cancel a running job: the Ray job stops, no adapter is made
     job = client.post("/v1/fine_tuning/jobs", json={**spec, "seed": 4}).json()
     _wait(client, job["id"], lambda j, ev: len(_steps(ev)) >= 1, "a first step")
-    assert client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
+    cancelled = globex.fine_tuning.jobs.cancel(job["id"])
+    assert cancelled.status == "cancelled" and cancelled.estimated_finish is None
     _run_over(stack, f"{job['id']}-1")
     job, events = _wait(client, job["id"], lambda j, ev: True, "events")
-    assert job["status"] == "cancelled"
+    assert job["status"] == "cancelled" and job["estimated_finish"] is None
     assert 1 <= len(_steps(events)) < STEPS, "stopped before its end"
     assert not stack["store"].exists(stack["store"].adapter_key(job["id"]))
 

@@ -262,4 +262,21 @@ async def _forward(
             "when the first adapter of that model is ready",
             param="model",
         )
+    if resp.status_code >= 400 and not _is_error_object(content):
+        # Serve's own proxy answers some failures (a replica that died mid-request, an
+        # overload) in plain text: the client still gets an OpenAI error object
+        raise Unavailable(
+            f"serving for base model {base!r} failed: it answered {resp.status_code} "
+            f"{content[:200].decode(errors='replace')!r}; try again, and if it persists "
+            "see the serving replicas' logs"
+        )
     return Response(content, status_code=resp.status_code, media_type="application/json")
+
+
+def _is_error_object(content: bytes) -> bool:
+    """Whether an answer is OpenAI's error shape, ``{"error": {...}}``."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and isinstance(body.get("error"), dict)
