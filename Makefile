@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256
 
 HELM   := $(BIN)/helm
 
-.PHONY: install helm demo test test-fast lint fmt up clean
+.PHONY: install helm chromium demo test test-fast lint fmt up clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,10 +31,21 @@ $(HELM): helm/get_helm.py | $(BIN)/python
 
 helm: $(HELM)
 
+# Debian's Chromium for the dashboard's browser tests (tests/ui), which Playwright drives
+# through executable_path: never `playwright install`, which downloads a browser build.
+CHROMIUM := /usr/bin/chromium
+SUDO     := $(if $(filter 0,$(shell id -u)),,sudo)
+
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
+chromium: $(CHROMIUM)
+
 demo: install  ## fine-tune SmolLM2-135M on the bundled dataset; base vs tuned answers
 	TUNEFLEET_DATA_DIR=$${TUNEFLEET_DATA_DIR:-.data/demo} $(BIN)/tunefleet demo
 
-test: install $(HELM)  ## every test tier this machine can run (SQLite + PostgreSQL, real Ray, Helm)
+test: install $(HELM) $(CHROMIUM)  ## every test tier this machine can run (SQLite + PostgreSQL, real Ray, Helm, a browser)
 	$(BIN)/python -m pytest --durations=25
 
 test-fast: install $(HELM)  ## no real Ray: platform, API, migrations, layout, the Helm chart

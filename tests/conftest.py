@@ -14,13 +14,16 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -29,6 +32,9 @@ from tunefleet.platform.db import session_scope
 from tunefleet.platform.db.migrate import upgrade
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.tenants import create_key, create_tenant
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 TINY = "tiny-llama"
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
@@ -208,6 +214,56 @@ def settings(tmp_path: Path, migrated_url: str, tiny_registry: Path) -> Settings
         model_registry=tiny_registry,
         max_upload_bytes=1_000_000,
     )
+
+
+# -- a real HTTP server (tests/api, tests/ui) --------------------------------------------
+
+
+@pytest.fixture
+def live_server(settings: Settings) -> Iterator[Callable[..., str]]:
+    """Start the real app under uvicorn in a background thread, as ``tunefleet.cli.stack``
+    runs it, on a free 127.0.0.1 port, and return its base URL: ``live_server()`` serves
+    ``create_app(settings)``, ``live_server(app)`` another app. Each call starts another
+    server with its own event loop (like another uvicorn worker on the same database).
+    TestClient runs handlers one at a time on one loop; these answer real concurrent HTTP
+    requests. Every server is stopped at teardown."""
+    import httpx
+    import uvicorn
+
+    from tunefleet.api import create_app
+
+    running: list[tuple[uvicorn.Server, threading.Thread, socket.socket]] = []
+
+    def start(app: FastAPI | None = None) -> str:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))  # a socket of our own: no race for a free port number
+        host, port = sock.getsockname()
+        config = uvicorn.Config(app or create_app(settings), log_level="warning")
+        server = uvicorn.Server(config)
+        thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"api-{port}"
+        )
+        thread.start()
+        running.append((server, thread, sock))
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn on {host}:{port} did not start")
+            time.sleep(0.01)
+        url = f"http://{host}:{port}"
+        # FastAPI builds its routes' state on the first request, silencing a pydantic
+        # warning with warnings.catch_warnings, which is not thread-safe: build it here,
+        # one server at a time, not in the first concurrent requests.
+        assert httpx.get(f"{url}/healthz").status_code == 200
+        return url
+
+    yield start
+    for server, _, _ in running:
+        server.should_exit = True
+    for _, thread, sock in running:
+        thread.join(10)
+        sock.close()
+        assert not thread.is_alive(), f"{thread.name} did not stop"
 
 
 def make_tenant(url: str, name: str) -> str:

@@ -933,6 +933,66 @@ def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_can
     assert not stack["store"].exists(stack["store"].adapter_key(job["id"]))
 
 
+def test_the_dashboard_follows_a_real_job_through_pause_and_resume(
+    stack: dict[str, Any], acme_job: dict[str, Any]
+) -> None:
+    """The dashboard on the running stack (issue 21): acme signs in with its key in a real
+    browser, watches a job train on Ray (its loss curve grows with no reload), pauses it
+    with the button (the run checkpoints and leaves), resumes it, and sees it succeed with
+    every step drawn once."""
+    from browser import chromium, points, sign_in, watch_csp
+
+    client, file_id = _client_with_file(stack, "acme")
+    steps = 120  # long enough that the pause lands mid-run
+    hp = {"n_epochs": 50, "batch_size": 2, "learning_rate_multiplier": multiplier_for(1e-2)}
+    job = client.post(
+        "/v1/fine_tuning/jobs",
+        json={
+            "model": TINY,
+            "training_file": file_id,
+            "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
+            "tunefleet": {"max_steps": steps, "checkpoint_every_steps": 1000},
+        },
+    ).json()
+    url, page_of = stack["url"], f"{stack['url']}/ui/jobs/{job['id']}"
+
+    def until(check: Any, what: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            assert time.monotonic() < deadline, f"the page never showed {what}"
+            page.wait_for_timeout(500)
+
+    with chromium() as browser:
+        page = browser.new_context().new_page()
+        violations = watch_csp(page)
+        sign_in(page, url, stack["keys"]["acme"])
+        page.goto(page_of)
+        until(lambda: page.locator("#loss polyline").count() and points(page) >= 2, "a step")
+        page.evaluate("window.tunefleetMarker = 'same document'")
+        drawn = points(page)
+        until(lambda: points(page) > drawn, "the curve grow")
+        assert page.evaluate("window.tunefleetMarker") == "same document"
+
+        page.click("button.action-pause")
+        page.wait_for_url(f"{page_of}?done=pause")
+        _, events = _wait(
+            client,
+            job["id"],
+            lambda j, ev: any(e["message"].startswith("Paused at step") for e in ev),
+            "the run to checkpoint and leave",
+        )
+        page.goto(page_of)
+        assert "paused" in page.locator("#job-live .status").inner_text()
+        assert points(page) == _steps(events)[-1]
+        page.click("button.action-resume")
+        page.wait_for_url(f"{page_of}?done=resume")
+        until(lambda: "succeeded" in page.locator("#job-live .status").inner_text(), "success")
+        page.goto(page_of)
+        assert points(page) == steps  # each step once: resumed where it paused
+        assert page.locator("button.action-resume").count() == 0
+        assert violations == []
+
+
 def test_openai_sdk_deletes_a_fine_tuned_model_and_it_stops_answering(
     sdk: Any, acme_job: dict[str, Any]
 ) -> None:

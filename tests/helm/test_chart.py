@@ -411,3 +411,18 @@ def test_a_generated_postgres_password_never_shows_in_a_pod_spec() -> None:
     for obj in objects:
         if obj["kind"] != "Secret":
             assert password not in yaml.safe_dump(obj)
+
+
+def test_every_api_pod_signs_dashboard_sessions_with_one_kept_secret() -> None:
+    """A session cookie one API pod signed is good at the others: the key is a Secret the
+    chart makes once (or the operator's own), not a file each pod makes for itself."""
+    objects = rendered(variant("minimal"))
+    env = {e["name"]: e for e in container(find(objects, "Deployment", "-api"), "api")["env"]}
+    ref = env["TUNEFLEET_UI_SECRET"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "tf-tunefleet-ui", "key": "secret"}, ref
+    secret = find(objects, "Secret", "-ui")
+    assert secret["metadata"]["name"] == ref["name"] and len(secret["data"]["secret"]) >= 32
+    own = render(variant("minimal"), "api.uiExistingSecret=mine")
+    env = {e["name"]: e for e in container(find(own, "Deployment", "-api"), "api")["env"]}
+    assert env["TUNEFLEET_UI_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
+    assert not [o for o in own if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-ui")]

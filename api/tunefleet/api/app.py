@@ -16,6 +16,7 @@ from tunefleet.api.errors import install_error_handlers
 from tunefleet.api.observe import RequestMetrics
 from tunefleet.api.openapi import Health, Readiness, ok, openapi_document
 from tunefleet.api.routes import admin, files, inference, jobs, models, plans
+from tunefleet.api.ui import install as install_dashboard
 from tunefleet.platform.db import session_scope
 from tunefleet.platform.metrics import exposition
 from tunefleet.platform.settings import Settings, get_settings
@@ -37,6 +38,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings or get_settings()
     install_error_handlers(app)
+    install_dashboard(app)  # /ui: pages, static files, their security headers
     app.add_middleware(BodyLimitMiddleware, settings=app.state.settings)
     app.add_middleware(RequestMetrics)  # outermost: every answer counted, refusals too
     for module in (files, jobs, models, inference, plans, admin):
@@ -73,7 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 s.execute(text("SELECT 1"))
         except Exception as exc:
             checks["database"] = f"unreachable: {type(exc).__name__}"
-        dashboard = st.ray_dashboard_url or f"http://127.0.0.1:{st.ray_dashboard_port}"
+        dashboard = st.resolved_ray_dashboard_url
         try:  # any answer (401 without Ray's token included) means it is up
             httpx.get(f"{dashboard}/api/version", timeout=2)
         except httpx.HTTPError as exc:

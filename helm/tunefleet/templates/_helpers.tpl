@@ -62,6 +62,10 @@ tunefleet.io/member: {{ .Release.Name | quote }}
 {{- default (printf "%s-serve" (include "tunefleet.fullname" .)) .Values.serve.existingSecret }}
 {{- end }}
 
+{{- define "tunefleet.uiSecret" -}}
+{{- default (printf "%s-ui" (include "tunefleet.fullname" .)) .Values.api.uiExistingSecret }}
+{{- end }}
+
 {{- define "tunefleet.rayTokenSecret" -}}
 {{- default (printf "%s-ray-token" (include "tunefleet.fullname" .)) .Values.ray.auth.existingSecret }}
 {{- end }}

@@ -3,14 +3,10 @@ here: replicas import it)."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
 import re
-import secrets
-from pathlib import Path
 
 from tunefleet.platform.artifacts import Keys
+from tunefleet.platform.local_secrets import persisted_secret
 from tunefleet.platform.settings import Settings
 
 # The contract between the API's inference proxy and the Serve applications: each base
@@ -52,21 +48,7 @@ def serve_secret(settings: Settings) -> str:
     API and controller share."""
     if settings.serve_secret:
         return settings.serve_secret
-    return _secret_of(settings.data_dir.resolve())
-
-
-@functools.lru_cache(maxsize=8)
-def _secret_of(data_dir: Path) -> str:
-    path = data_dir / SECRET_FILE
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{SECRET_FILE}.{secrets.token_hex(4)}")
-        tmp.touch(mode=0o600)
-        tmp.write_text(secrets.token_urlsafe(32))
-        with contextlib.suppress(FileExistsError):  # two processes racing: the first wins
-            os.link(tmp, path)
-        tmp.unlink()
-    return path.read_text().strip()
+    return persisted_secret(settings.data_dir.resolve(), SECRET_FILE)
 
 
 def route_prefix(base_model: str) -> str:

@@ -157,6 +157,21 @@ class Settings(BaseSettings):
         "a standby controller takes over this long after the leader dies.",
     )
 
+    # -- the dashboard (tunefleet.api.ui) ------------------------------------------------
+    ui_secret: str = Field(
+        default="",
+        repr=False,
+        description="Key that signs the dashboard's session cookies; the same on every API "
+        "process behind one address. Empty: one is made once in data_dir/ui-secret (mode "
+        "0600), so restarts keep sessions. Changing it signs everyone out.",
+    )
+    ui_session_hours: float = Field(
+        default=12,
+        gt=0,
+        le=24 * 30,
+        description="How long a dashboard sign-in lasts before the key must be entered again.",
+    )
+
     @property
     def resolved_database_url(self) -> str:
         if self.database_url:
@@ -189,6 +204,11 @@ class Settings(BaseSettings):
     @property
     def resolved_model_registry(self) -> Path:
         return (self.model_registry or self.data_dir / "models").resolve()
+
+    @property
+    def resolved_ray_dashboard_url(self) -> str:
+        """Ray's dashboard (its Jobs API and state endpoints), as the API reaches it."""
+        return self.ray_dashboard_url or f"http://127.0.0.1:{self.ray_dashboard_port}"
 
     @property
     def serve_url(self) -> str:

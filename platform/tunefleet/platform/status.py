@@ -133,3 +133,19 @@ def transition(
             code="invalid_state",
         )
     add_event(session, job_id, message, level=level, data=data)
+
+
+# What a tenant may ask of its job (the REST routes and the dashboard's buttons): the
+# states the job must be in, the state it moves to, and the event that records it.
+REQUESTS: dict[str, tuple[tuple[JobStatus, ...], JobStatus, str]] = {
+    "cancel": (tuple(sources(S.CANCELLED)), S.CANCELLED, "Job cancelled by request"),
+    "pause": (tuple(sources(S.PAUSED)), S.PAUSED, "Job paused by request"),
+    "resume": ((S.PAUSED,), S.QUEUED, "Job resumed by request; queued"),
+}
+
+
+def request_move(session: Session, job_id: str, action: str) -> None:
+    """Do the tenant's ``action`` (a key of REQUESTS) on ``job_id`` (a compare-and-set:
+    ``Conflict`` naming the job's state when it is in none the action starts from)."""
+    expected, to, message = REQUESTS[action]
+    transition(session, job_id, expected, to, message)

@@ -125,9 +125,27 @@ def authenticate(session: Session, authorization: str | None) -> Principal:
     ):
         shown = token[:PREFIX_LEN] + "..." if len(token) > PREFIX_LEN else "(short key)"
         raise Unauthenticated(f"API key {shown} is not valid or was revoked")
+    principal = _principal(session, key)
+    if len(_AUTH_CACHE) >= _AUTH_CACHE_MAX:
+        _AUTH_CACHE.clear()
+    _AUTH_CACHE[digest] = (time.monotonic() + AUTH_CACHE_TTL_S, principal)
+    return principal
+
+
+def principal_for_key(session: Session, key_id: str) -> Principal:
+    """The principal of the key with id ``key_id``, read afresh (no cache: a revoked key
+    fails at once), or 401. For callers that hold a key's id rather than its secret, such
+    as a dashboard session (``tunefleet.api.ui``)."""
+    key = session.get(ApiKey, key_id)
+    if key is None or key.revoked_at is not None:
+        raise Unauthenticated(f"API key {key_id!r} is not valid or was revoked; sign in again")
+    return _principal(session, key)
+
+
+def _principal(session: Session, key: ApiKey) -> Principal:
     tenant = session.get(Tenant, key.tenant_id)
     assert tenant is not None  # FK
-    principal = Principal(
+    return Principal(
         tenant_id=tenant.id,
         tenant_name=tenant.name,
         key_id=key.id,
@@ -135,10 +153,6 @@ def authenticate(session: Session, authorization: str | None) -> Principal:
         max_gpus=tenant.max_gpus,
         max_waiting_jobs=tenant.max_waiting_jobs,
     )
-    if len(_AUTH_CACHE) >= _AUTH_CACHE_MAX:
-        _AUTH_CACHE.clear()
-    _AUTH_CACHE[digest] = (time.monotonic() + AUTH_CACHE_TTL_S, principal)
-    return principal
 
 
 def ensure_bootstrap_tenant(session: Session, name: str = "default") -> str | None:

@@ -33,7 +33,7 @@ from tunefleet.platform.jobs import (
 )
 from tunefleet.platform.planner import PlanDevice
 from tunefleet.platform.serving import checkpoint_model_name
-from tunefleet.platform.status import JobStatus, sources, transition
+from tunefleet.platform.status import request_move
 from tunefleet.platform.tenants import Principal
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
@@ -45,7 +45,6 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 # JSONResponse of plain JSON types, skipping jsonable_encoder, and use single-statement
 # sessions: in autocommit on PostgreSQL, without BEGIN/COMMIT round trips blocking the
 # loop. Cancel, pause and resume are rare: plain ``def``.
-S = JobStatus
 
 
 @router.post("", responses={**ok(JobObject), **errors(404, 429)})
@@ -143,36 +142,26 @@ async def retrieve(
 
 @router.post("/{job_id}/cancel", responses={**ok(JobObject), **errors(404, 409)})
 def cancel(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
-    return _move(
-        session, principal, job_id, sources(S.CANCELLED), S.CANCELLED, "Job cancelled by request"
-    )
+    return _move(session, principal, job_id, "cancel")
 
 
 @router.post("/{job_id}/pause", responses={**ok(JobObject), **errors(404, 409)})
 def pause(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     """A running job checkpoints at its next step and stops; a queued one just waits."""
-    return _move(session, principal, job_id, sources(S.PAUSED), S.PAUSED, "Job paused by request")
+    return _move(session, principal, job_id, "pause")
 
 
 @router.post("/{job_id}/resume", responses={**ok(JobObject), **errors(404, 409)})
 def resume(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     """Queue a paused job again; its next run continues from its newest checkpoint."""
-    message = "Job resumed by request; queued"
-    return _move(session, principal, job_id, [S.PAUSED], S.QUEUED, message)
+    return _move(session, principal, job_id, "resume")
 
 
-def _move(
-    session: Session,
-    principal: Principal,
-    job_id: str,
-    src: list[JobStatus],
-    dst: JobStatus,
-    message: str,
-) -> dict[str, Any]:
-    """A tenant's request to move its job (a compare-and-set, 409 from any other state),
-    committed; the job as it is now."""
+def _move(session: Session, principal: Principal, job_id: str, action: str) -> dict[str, Any]:
+    """A tenant's request to move its job (``status.request_move``: a compare-and-set, 409 from
+    any other state), committed; the job as it is now."""
     job = get_job(session, principal, job_id)
-    transition(session, job.id, src, dst, message)
+    request_move(session, job.id, action)
     session.commit()
     session.refresh(job)
     return job_view(job)

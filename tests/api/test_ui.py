@@ -1,0 +1,510 @@
+"""The dashboard (``/ui``) without a browser: sign-in and its cookie, CSRF, the security
+headers, tenant scoping, the jobs list's filters, actions, charts, the file preview and the
+cluster view, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import re
+import stat
+from typing import Any
+
+from fastapi.testclient import TestClient
+from sqlalchemy import update
+
+from conftest import auth as H
+from conftest import make_tenant, upload_chat
+from tunefleet.api import create_app
+from tunefleet.api.ui import charts
+from tunefleet.api.ui.cluster import fetch_cluster, parse_nodes
+from tunefleet.api.ui.render import CSP
+from tunefleet.platform.db import ApiKey, session_scope
+from tunefleet.platform.progress import record_metrics
+from tunefleet.platform.settings import Settings
+from tunefleet.platform.status import JobStatus, add_event, transition
+from tunefleet.platform.tenants import PREFIX_LEN, create_key, create_tenant
+
+S = JobStatus
+CSRF_RE = re.compile(r'name="csrf_token" value="([^"]+)"')
+
+
+def admin_key(settings: Settings) -> str:
+    with session_scope(settings.resolved_database_url) as s:
+        tenant = create_tenant(s, "ops")
+        return create_key(s, tenant.id, is_admin=True)[1]
+
+
+def csrf_of(html: str) -> str:
+    found = CSRF_RE.search(html)
+    assert found, html[:500]
+    return found.group(1)
+
+
+def sign_in(client: TestClient, key: str) -> str:
+    """Sign ``client`` in with ``key`` through the form; returns the session's CSRF token."""
+    form = client.get("/ui/signin")
+    assert form.status_code == 200
+    resp = client.post(
+        "/ui/signin",
+        data={"csrf_token": csrf_of(form.text), "api_key": key, "next": "/ui/jobs"},
+        follow_redirects=False,
+    )
+    assert resp.status_code == 303, resp.text
+    assert resp.headers["location"] == "/ui/jobs"
+    page = client.get("/ui/jobs")
+    assert page.status_code == 200
+    return csrf_of(page.text)
+
+
+def new_job(client: TestClient, key: str, **extra: Any) -> str:
+    f = upload_chat(client, key)
+    body = {"model": "tiny-llama", "training_file": f["id"], **extra}
+    resp = client.post("/v1/fine_tuning/jobs", headers=H(key), json=body)
+    assert resp.status_code == 200, resp.text
+    job_id: str = resp.json()["id"]
+    return job_id
+
+
+def move(settings: Settings, job_id: str, *path: JobStatus) -> None:
+    """Walk ``job_id`` along ``path`` (from validating_files), as the controller would."""
+    current = S.VALIDATING_FILES
+    with session_scope(settings.resolved_database_url) as s:
+        for to in path:
+            transition(s, job_id, current, to, f"moved to {to.value} by the test")
+            current = to
+
+
+def status_of(client: TestClient, key: str, job_id: str) -> str:
+    status: str = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=H(key)).json()["status"]
+    return status
+
+
+# -- sign-in, cookie, sign-out, revocation ----------------------------------------------
+
+
+def test_sign_in_sets_a_signed_http_only_strict_cookie(app_client: TestClient, key_a: str) -> None:
+    form = app_client.get("/ui/signin")
+    resp = app_client.post(
+        "/ui/signin",
+        data={"csrf_token": csrf_of(form.text), "api_key": key_a, "next": "/ui/files"},
+        follow_redirects=False,
+    )
+    assert resp.status_code == 303 and resp.headers["location"] == "/ui/files"
+    cookies = {c.split("=", 1)[0]: c for c in resp.headers.get_list("set-cookie")}
+    cookie = cookies["tunefleet_session"]
+    flags = {f.strip().lower() for f in cookie.split(";")[1:]}
+    assert {"httponly", "path=/ui", "samesite=strict", "max-age=43200"} <= flags, cookie
+    assert "secure" not in flags  # plain HTTP here; Secure over HTTPS
+    value = cookie.split(";", 1)[0].split("=", 1)[1]
+    assert key_a not in value and key_a[PREFIX_LEN:] not in value  # never the key itself
+    assert 'tunefleet_signin=""' in cookies["tunefleet_signin"]  # the form's token is spent
+    page = app_client.get("/ui/files")
+    assert page.status_code == 200 and "tenant-a" in page.text
+    # the sign-in page (where a visitor from another site lands without the Strict
+    # cookie) never replaces a session
+    assert "tunefleet_session" not in app_client.get("/ui/signin").headers.get("set-cookie", "")
+    assert app_client.get("/ui", follow_redirects=False).status_code == 200
+
+
+def test_a_wrong_key_is_refused_and_signs_nobody_in(app_client: TestClient, key_a: str) -> None:
+    form = app_client.get("/ui/signin")
+    wrong = key_a[:-4] + "abcd"
+    resp = app_client.post(
+        "/ui/signin",
+        data={"csrf_token": csrf_of(form.text), "api_key": wrong},
+        follow_redirects=False,
+    )
+    assert resp.status_code == 401
+    assert "is not valid or was revoked" in resp.text and wrong not in resp.text
+    assert app_client.get("/ui/jobs", follow_redirects=False).status_code == 303
+    not_a_key = app_client.post(
+        "/ui/signin",
+        data={"csrf_token": csrf_of(resp.text), "api_key": "hunter2"},
+        follow_redirects=False,
+    )
+    assert not_a_key.status_code == 401 and "is not a TuneFleet key" in not_a_key.text
+
+
+def test_pages_need_a_session(app_client: TestClient) -> None:
+    resp = app_client.get("/ui/jobs?status=queued", follow_redirects=False)
+    assert resp.status_code == 303
+    assert resp.headers["location"] == "/ui/signin?next=%2Fui%2Fjobs%3Fstatus%3Dqueued"
+    polled = app_client.get(
+        "/ui/jobs/table",
+        headers={"HX-Request": "true", "HX-Current-URL": "http://testserver/ui/jobs"},
+        follow_redirects=False,
+    )
+    assert polled.headers["HX-Redirect"] == "/ui/signin?next=%2Fui%2Fjobs"
+    # after signing in, only a dashboard path is followed
+    form = app_client.get("/ui/signin")
+    assert 'name="next" value="/ui"' in app_client.get("/ui/signin?next=//evil.example").text
+    assert form.status_code == 200
+
+
+def test_sign_out_ends_the_session(app_client: TestClient, key_a: str) -> None:
+    csrf = sign_in(app_client, key_a)
+    assert app_client.post("/ui/signout", follow_redirects=False).status_code == 403
+    resp = app_client.post("/ui/signout", data={"csrf_token": csrf}, follow_redirects=False)
+    assert resp.status_code == 303 and resp.headers["location"] == "/ui/signin"
+    assert resp.headers["set-cookie"].startswith('tunefleet_session=""')
+    assert app_client.get("/ui", follow_redirects=False).status_code == 303
+
+
+def test_a_revoked_keys_session_ends_at_once(
+    app_client: TestClient, settings: Settings, key_a: str
+) -> None:
+    sign_in(app_client, key_a)
+    assert app_client.get("/ui", follow_redirects=False).status_code == 200
+    with session_scope(settings.resolved_database_url) as s:
+        s.execute(update(ApiKey).where(ApiKey.prefix == key_a[:PREFIX_LEN]).values(revoked_at=1))
+    resp = app_client.get("/ui", follow_redirects=False)
+    assert resp.status_code == 303
+    assert resp.headers["location"] == "/ui/signin?next=%2Fui&ended=revoked"
+    assert "was revoked" in app_client.get(resp.headers["location"]).text
+
+
+def test_the_signing_secret_is_kept_in_the_data_dir(settings: Settings, key_a: str) -> None:
+    with TestClient(create_app(settings)) as first:
+        sign_in(first, key_a)
+        cookies = dict(first.cookies)
+    secret = settings.data_dir / "ui-secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    with TestClient(create_app(settings), cookies=cookies) as restarted:
+        assert restarted.get("/ui", follow_redirects=False).status_code == 200
+    other = settings.model_copy(update={"ui_secret": "another-secret"})
+    with TestClient(create_app(other), cookies=cookies) as rekeyed:
+        assert rekeyed.get("/ui", follow_redirects=False).status_code == 303
+
+
+# -- headers and CSRF -------------------------------------------------------------------
+
+
+def test_every_ui_answer_has_the_security_headers(app_client: TestClient, key_a: str) -> None:
+    sign_in(app_client, key_a)
+    job_id = new_job(app_client, key_a)
+    for path in (
+        "/ui/signin",
+        "/ui",
+        "/ui/jobs",
+        f"/ui/jobs/{job_id}",
+        "/ui/files",
+        "/ui/compare",
+        "/ui/static/ui.css",
+        "/ui/static/vendor/htmx/htmx.min.js",
+        "/ui/jobs/ftjob-missing",
+    ):
+        resp = app_client.get(path)
+        assert resp.headers["content-security-policy"] == CSP, path
+        assert resp.headers["x-content-type-options"] == "nosniff"
+        assert resp.headers["referrer-policy"] == "no-referrer"
+        if resp.headers["content-type"].startswith("text/html"):
+            assert resp.headers["cache-control"] == "no-store"
+            # nothing the policy would block: no inline script, style or handler
+            assert not re.search(r"<script(?![^>]*\bsrc=)", resp.text), path
+            assert not re.search(r"<style|\sstyle=|\son[a-z]+=", resp.text), path
+    assert "default-src 'self'" in CSP and "frame-ancestors 'none'" in CSP
+    assert (
+        app_client.get("/v1/models", headers=H(key_a)).headers.get("content-security-policy")
+        is None
+    )
+
+
+def test_posts_without_the_right_csrf_token_are_refused(app_client: TestClient, key_a: str) -> None:
+    csrf = sign_in(app_client, key_a)
+    job_id = new_job(app_client, key_a)
+    url = f"/ui/jobs/{job_id}/cancel"
+    for data, headers in (({}, {}), ({"csrf_token": "forged"}, {}), ({}, {"X-CSRF-Token": "x"})):
+        resp = app_client.post(url, data=data, headers=headers, follow_redirects=False)
+        assert resp.status_code == 403, resp.text
+        assert "CSRF token is missing or does not match" in resp.text
+    assert status_of(app_client, key_a, job_id) == "validating_files"
+    # the sign-in form is held to it too
+    assert app_client.post("/ui/signin", data={"api_key": key_a}).status_code == 403
+    # htmx sends the token as a header
+    resp = app_client.post(url, headers={"X-CSRF-Token": csrf}, follow_redirects=False)
+    assert resp.status_code == 303
+    assert status_of(app_client, key_a, job_id) == "cancelled"
+
+
+# -- scoping ----------------------------------------------------------------------------
+
+
+def test_a_tenant_sees_only_its_jobs_and_an_admin_sees_all(
+    app_client: TestClient, settings: Settings, key_a: str, key_b: str
+) -> None:
+    job_a = new_job(app_client, key_a)
+    job_b = new_job(app_client, key_b)
+    with TestClient(app_client.app) as b, TestClient(app_client.app) as ops:
+        b_csrf = sign_in(b, key_b)
+        listed = b.get("/ui/jobs").text
+        assert job_b in listed and job_a not in listed
+        assert job_a not in b.get("/ui").text
+        assert b.get(f"/ui/jobs/{job_a}").status_code == 404
+        assert b.get(f"/ui/jobs/{job_a}/live").status_code == 404
+        assert b.get(f"/ui/compare?ids={job_a}").status_code == 404
+        refused = b.post(f"/ui/jobs/{job_a}/cancel", data={"csrf_token": b_csrf})
+        assert refused.status_code == 404
+        file_a = app_client.get(f"/v1/fine_tuning/jobs/{job_a}", headers=H(key_a)).json()
+        assert b.get(f"/ui/files/{file_a['training_file']}").status_code == 404
+
+        sign_in(ops, admin_key(settings))
+        everything = ops.get("/ui/jobs").text
+        assert job_a in everything and job_b in everything and "tenant-a" in everything
+        assert ops.get(f"/ui/jobs/{job_a}").status_code == 200
+        tenant_a = file_a["organization_id"]
+        only_a = ops.get(f"/ui/jobs?tenant={tenant_a}").text
+        assert job_a in only_a and job_b not in only_a
+    assert status_of(app_client, key_a, job_a) == "validating_files"
+
+
+def test_jobs_list_filters(app_client: TestClient, settings: Settings, key_a: str) -> None:
+    search = new_job(app_client, key_a, metadata={"team": "search"})
+    ads = new_job(app_client, key_a, metadata={"team": "ads"})
+    move(settings, ads, S.QUEUED)
+    sign_in(app_client, key_a)
+
+    def listed(query: str) -> set[str]:
+        resp = app_client.get(f"/ui/jobs/table?{query}")
+        assert resp.status_code == 200
+        return set(re.findall(r'id="link-(ftjob-[A-Za-z0-9]+)"', resp.text)) & {search, ads}
+
+    assert listed("") == {search, ads}
+    assert listed("metadata=team%3Dsearch") == {search}
+    assert listed("status=queued") == {ads}
+    assert listed("status=queued&metadata=team%3Dsearch") == set()
+    assert listed("model=tiny-llama") == {search, ads}
+    assert listed("model=other") == set()
+    assert "No job matches these filters" in app_client.get("/ui/jobs?model=other").text
+    bad = app_client.get("/ui/jobs?metadata=team")
+    assert bad.status_code == 400 and "is not key=value" in bad.text
+    assert app_client.get("/ui/jobs?status=dancing").status_code == 400
+    # the table polls itself with the same filters
+    table = app_client.get("/ui/jobs?status=queued").text
+    assert 'hx-get="/ui/jobs/table?status=queued"' in table and 'hx-trigger="every 3s"' in table
+
+
+def test_jobs_list_pages(app_client: TestClient, key_a: str) -> None:
+    made = [new_job(app_client, key_a) for _ in range(27)]
+    sign_in(app_client, key_a)
+    first = app_client.get("/ui/jobs").text
+    older = re.search(r'href="(/ui/jobs\?after=[^"]+)" id="older-jobs"', first)
+    assert older is not None
+    second = app_client.get(older.group(1).replace("&amp;", "&")).text
+    shown = set(re.findall(r'id="link-(ftjob-[A-Za-z0-9]+)"', first + second))
+    assert shown == set(made) and 'id="older-jobs"' not in second
+
+
+# -- actions ----------------------------------------------------------------------------
+
+
+def test_pause_resume_and_cancel_through_the_state_machine(
+    app_client: TestClient, settings: Settings, key_a: str
+) -> None:
+    csrf = sign_in(app_client, key_a)
+    job_id = new_job(app_client, key_a)
+    move(settings, job_id, S.QUEUED, S.RUNNING)
+    page = app_client.get(f"/ui/jobs/{job_id}").text
+    assert f'action="/ui/jobs/{job_id}/pause"' in page and "/resume" not in page
+
+    def act(action: str) -> Any:
+        return app_client.post(
+            f"/ui/jobs/{job_id}/{action}", data={"csrf_token": csrf}, follow_redirects=False
+        )
+
+    resp = act("pause")
+    assert resp.status_code == 303 and resp.headers["location"] == f"/ui/jobs/{job_id}?done=pause"
+    assert "Pause requested." in app_client.get(resp.headers["location"]).text
+    assert status_of(app_client, key_a, job_id) == "paused"
+    assert act("resume").status_code == 303
+    assert status_of(app_client, key_a, job_id) == "queued"
+    assert act("cancel").status_code == 303
+    assert status_of(app_client, key_a, job_id) == "cancelled"
+    refused = act("cancel")
+    assert refused.status_code == 409
+    assert (
+        f"job {job_id} is cancelled" in refused.text and "cannot move to cancelled" in refused.text
+    )
+    assert '/cancel"' not in app_client.get(f"/ui/jobs/{job_id}").text  # no button left
+
+
+# -- charts and the job page -------------------------------------------------------------
+
+
+def polyline_points(svg: str) -> list[list[tuple[float, float]]]:
+    lines = re.findall(r'<polyline [^>]*points="([^"]*)"', svg)
+    return [[tuple(map(float, p.split(","))) for p in line.split()] for line in lines]  # type: ignore[misc]
+
+
+def test_line_chart_draws_each_point_and_log_scale_remaps_y() -> None:
+    pts = [(1.0, 4.0), (2.0, 2.0), (3.0, 1.0), (4.0, 0.5)]
+    linear = charts.line_chart([charts.Series("train", pts)], title="Loss", desc="d")
+    log = charts.line_chart([charts.Series("train", pts)], title="Loss", desc="d", log_y=True)
+    (lin,) = polyline_points(linear)
+    (lg,) = polyline_points(log)
+    assert len(lin) == len(lg) == 4
+    assert [x for x, _ in lin] == [x for x, _ in lg]
+    # linear: equal steps in y for equal differences; log: equal steps for equal ratios
+    lin_gaps = [round(lin[i + 1][1] - lin[i][1], 1) for i in range(3)]
+    log_gaps = [round(lg[i + 1][1] - lg[i][1], 1) for i in range(3)]
+    assert len(set(log_gaps)) == 1 and len(set(lin_gaps)) == 3
+    assert "<title id=" in linear and "<desc id=" in linear and 'role="img"' in linear
+    assert ">step<" in linear and ">loss<" in linear and "loss (log scale)" in log
+    assert all(f">{label}</text>" in log for label in ("0.5", "1", "2"))  # round log ticks
+    # log scale leaves out what it cannot draw; long series are thinned
+    with_zero = charts.line_chart([charts.Series("t", [(1, 0.0), (2, 1.0)])], title="t",
+                                  desc="d", log_y=True)  # fmt: skip
+    assert len(polyline_points(with_zero)[0]) == 1
+    many = [(float(i), 1.0 / (i + 1)) for i in range(2000)]
+    (thinned,) = polyline_points(charts.line_chart([charts.Series("t", many)], title="t", desc="d"))
+    assert len(thinned) == charts.MAX_POINTS
+    assert "No points yet" in charts.line_chart([charts.Series("t", [])], title="t", desc="d")
+    assert "&lt;b&gt;" in charts.line_chart([charts.Series("<b>", pts)], title="t", desc="d")
+
+
+def test_job_page_shows_loss_figures_and_polls_while_running(
+    app_client: TestClient, settings: Settings, key_a: str
+) -> None:
+    job_id = new_job(app_client, key_a)
+    move(settings, job_id, S.QUEUED, S.RUNNING)
+    with session_scope(settings.resolved_database_url) as s:
+        for step in (1, 2, 3):
+            metrics = {"train_loss": 2.0 / step, "tokens_per_s": 1234.5, "mfu": 0.25,
+                       "peak_memory_bytes": 3 * 2**30}  # fmt: skip
+            if step == 3:
+                metrics["valid_loss"] = 0.9
+            record_metrics(s, job_id, step=step, total_steps=10, metrics=metrics,
+                           trained_tokens=100 * step, eta_s=5.0)  # fmt: skip
+    sign_in(app_client, key_a)
+    page = app_client.get(f"/ui/jobs/{job_id}").text
+    train, valid = polyline_points(page)
+    assert len(train) == 3 and len(valid) == 1
+    assert 'hx-get="/ui/jobs/' in page and 'hx-trigger="every 3s"' in page
+    assert "step 3/10" in page and "1,234" in page and "25.0%" in page and "3.0 GiB" in page
+    assert "Created fine-tuning job" in page  # the timeline
+    live = app_client.get(f"/ui/jobs/{job_id}/live?scale=log").text
+    assert live.startswith('<section id="job-live"') and "(log scale)" in live
+    assert "?scale=log" in live  # it keeps polling on the log scale
+    with session_scope(settings.resolved_database_url) as s:
+        record_metrics(s, job_id, step=4, total_steps=10, metrics={"train_loss": 0.4},
+                       trained_tokens=400, eta_s=None)  # fmt: skip
+        add_event(s, job_id, "something odd", level="warn")
+    assert len(polyline_points(app_client.get(f"/ui/jobs/{job_id}/live").text)[0]) == 4
+    warn_only = app_client.get(f"/ui/jobs/{job_id}?level=warn").text
+    events = warn_only[warn_only.index('id="events-h"') :]
+    assert "something odd" in events and "Step 4/10" not in events
+    move_to_cancelled = app_client.post(
+        f"/ui/jobs/{job_id}/cancel", data={"csrf_token": csrf_of(page)}, follow_redirects=False
+    )
+    assert move_to_cancelled.status_code == 303
+    assert "hx-trigger" not in app_client.get(f"/ui/jobs/{job_id}/live").text  # stops polling
+
+
+def test_compare_draws_one_curve_per_job(
+    app_client: TestClient, settings: Settings, key_a: str
+) -> None:
+    jobs = [new_job(app_client, key_a) for _ in range(3)]
+    with session_scope(settings.resolved_database_url) as s:
+        for n, job_id in enumerate(jobs):
+            for step in range(1, n + 3):
+                record_metrics(s, job_id, step=step, total_steps=9, metrics={"train_loss": 1.0},
+                               trained_tokens=step, eta_s=None)  # fmt: skip
+    sign_in(app_client, key_a)
+    page = app_client.get(f"/ui/compare?ids={jobs[0]},{jobs[1]}&job={jobs[2]}").text
+    assert [len(p) for p in polyline_points(page)] == [4, 2, 3]  # ?job= first, then ?ids=
+    assert "Name the jobs to compare" in app_client.get("/ui/compare").text
+
+
+def test_file_page_shows_its_first_lines_escaped(app_client: TestClient, key_a: str) -> None:
+    evil = {
+        "messages": [
+            {"role": "user", "content": "<script>alert(1)</script>"},
+            {"role": "assistant", "content": "ok"},
+        ]
+    }
+    body = "\n".join(json.dumps(evil) for _ in range(30)).encode()
+    f = app_client.post(
+        "/v1/files",
+        headers=H(key_a),
+        data={"purpose": "fine-tune"},
+        files={"file": ("evil.jsonl", body)},
+    ).json()
+    sign_in(app_client, key_a)
+    assert f["id"] in app_client.get("/ui/files").text
+    page = app_client.get(f"/ui/files/{f['id']}").text
+    assert "<script>alert" not in page
+    assert page.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 20  # the first 20 lines
+    assert "30 example(s)" in page and "these are its first 20 lines" in page
+
+
+# -- overview and the cluster ------------------------------------------------------------
+
+
+def test_overview_shows_queue_running_failures_and_an_unreachable_ray(
+    settings: Settings, key_a: str
+) -> None:
+    offline = settings.model_copy(update={"ray_dashboard_url": "http://127.0.0.1:9"})
+    with TestClient(create_app(offline)) as client:
+        waiting = new_job(client, key_a)
+        running = new_job(client, key_a)
+        failed = new_job(client, key_a)
+        move(settings, waiting, S.QUEUED)
+        move(settings, running, S.QUEUED, S.RUNNING)
+        move(settings, failed, S.QUEUED, S.RUNNING)
+        with session_scope(settings.resolved_database_url) as s:
+            add_event(s, waiting, "Waiting in queue at position 2: the cluster is full",
+                      data={"queue_position": 2, "reason": "the cluster is full"})  # fmt: skip
+            record_metrics(s, running, step=7, total_steps=20, metrics={"train_loss": 1.5},
+                           trained_tokens=70, eta_s=None)  # fmt: skip
+            transition(s, failed, S.RUNNING, S.FAILED, "failed",
+                       error={"code": "x", "message": "out of memory", "param": None})  # fmt: skip
+        sign_in(client, key_a)
+        page = client.get("/ui").text
+        queue = page[page.index('id="queue-h"') : page.index('id="running-h"')]
+        assert waiting in queue and "the cluster is full" in queue
+        assert 'data-label="Position">2</td>' in queue
+        assert "step 7/20" in page and "out of memory" in page
+        assert "Ray unreachable" not in page  # tenants are not shown the machines
+        with TestClient(client.app) as ops:
+            sign_in(ops, admin_key(settings))
+            ops_page = ops.get("/ui/overview/live").text
+            assert "Ray unreachable at http://127.0.0.1:9" in ops_page
+
+
+def test_cluster_nodes_are_read_from_rays_node_summary() -> None:
+    payload = {
+        "result": True,
+        "data": {
+            "summary": [
+                {
+                    "hostname": "worker-1",
+                    "mem": [64 * 2**30, 40 * 2**30, 37.5, 24 * 2**30],
+                    "raylet": {"nodeId": "b" * 56, "state": "ALIVE",
+                               "resourcesTotal": {"CPU": 16.0, "GPU": 2.0}},
+                },
+                {
+                    "hostname": "head",
+                    "mem": [8 * 2**30, 6 * 2**30, 25.0, 2 * 2**30],
+                    "raylet": {"nodeId": "a" * 56, "state": "ALIVE", "isHeadNode": True,
+                               "resourcesTotal": {"CPU": 4.0}},
+                },
+            ],
+            "nodeLogicalResources": {"b" * 56: "6.0/16.0 CPU\n1.0/2.0 GPU\n0B/40GiB memory"},
+        },
+    }  # fmt: skip
+    head, worker = parse_nodes(payload)
+    assert head.head and head.host == "head" and head.cpus == 4 and head.cpus_used is None
+    assert (worker.cpus, worker.cpus_used, worker.gpus, worker.gpus_used) == (16, 6, 2, 1)
+    assert worker.memory == 64 * 2**30 and worker.memory_used == 24 * 2**30
+    assert parse_nodes({"data": {}}) == []
+    view = fetch_cluster("http://127.0.0.1:9", timeout=0.5)
+    assert view.nodes == [] and view.error is not None
+    assert view.error.startswith("Ray unreachable at http://127.0.0.1:9")
+
+
+def test_empty_states(app_client: TestClient, settings: Settings) -> None:
+    sign_in(app_client, make_tenant(settings.resolved_database_url, "tenant-c"))
+    assert "No jobs yet" in app_client.get("/ui/jobs").text
+    assert "No files yet" in app_client.get("/ui/files").text
+    overview = app_client.get("/ui").text
+    assert "No job is waiting" in overview and "No job is running" in overview
+    assert "No job has failed" in overview

@@ -1,0 +1,68 @@
+"""Playwright driving Debian's Chromium (`make chromium`), never a browser Playwright
+downloads (`playwright install` cannot reach its servers here): the dashboard's browser
+tests share how it starts and what they check on every page."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+# as the machine's own probe starts it: without the background-networking flags Chromium
+# keeps dialling Google's hosts, which this machine's closed network refuses
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[Any]:
+    """A headless Chromium for one test module. Playwright's sync API holds an event loop
+    as the running one while it lives, which must not leak into later tests: so not
+    pytest-playwright's session-wide fixtures."""
+    if not CHROMIUM.exists():
+        pytest.fail("no /usr/bin/chromium: `make chromium` (apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS, headless=True)
+        yield browser
+        browser.close()
+
+
+def watch_csp(page: Any) -> list[str]:
+    """Every Content-Security-Policy violation the page reports (console and events)."""
+    seen: list[str] = []
+    page.on(
+        "console",
+        lambda msg: seen.append(msg.text) if "Content Security Policy" in msg.text else None,
+    )
+    page.add_init_script(
+        "document.addEventListener('securitypolicyviolation', e => "
+        "console.error('Content Security Policy violation: ' + e.violatedDirective))"
+    )
+    return seen
+
+
+def sign_in(page: Any, url: str, key: str) -> None:
+    page.goto(f"{url}/ui/jobs")
+    assert "/ui/signin" in page.url
+    page.fill("#api_key", key)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{url}/ui/jobs")
+
+
+def points(page: Any) -> int:
+    """How many steps the job page's loss chart draws."""
+    attr = page.locator("#loss polyline").first.get_attribute("points") or ""
+    return len(attr.split())
