@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256
 
 HELM   := $(BIN)/helm
 
-.PHONY: install helm chromium demo test test-fast lint fmt up clean
+.PHONY: install helm chromium screenshots demo test test-fast lint fmt up clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,9 @@ $(CHROMIUM):
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
 chromium: $(CHROMIUM)
+
+screenshots: install $(CHROMIUM)  ## the dashboard's pages as the browser tests see them, into docs/img
+	SCREENSHOTS_DIR=docs/img $(BIN)/python -m pytest -q tests/ui
 
 demo: install  ## fine-tune SmolLM2-135M on the bundled dataset; base vs tuned answers
 	TUNEFLEET_DATA_DIR=$${TUNEFLEET_DATA_DIR:-.data/demo} $(BIN)/tunefleet demo

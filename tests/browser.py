@@ -5,6 +5,7 @@ tests share how it starts and what they check on every page."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,18 @@ def chromium() -> Iterator[Any]:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS, headless=True)
         yield browser
         browser.close()
+
+
+# A folder for each page's screenshot (`make screenshots` gives docs/img); unset: none. Not
+# TUNEFLEET_-prefixed: tests/conftest.py clears those.
+SCREENSHOTS = os.environ.get("SCREENSHOTS_DIR", "")
+
+
+def shoot(page: Any, name: str) -> None:
+    """The visible part of ``page`` as ``name``.png in ``SCREENSHOTS_DIR``, if set."""
+    if SCREENSHOTS:
+        Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(SCREENSHOTS) / f"{name}.png"))
 
 
 def watch_csp(page: Any) -> list[str]:

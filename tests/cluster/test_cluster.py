@@ -103,6 +103,7 @@ def cluster(
             "TUNEFLEET_MODEL_REGISTRY": str(tiny_registry),
             "TUNEFLEET_SERVE_HOST": "127.0.0.1",
             "TUNEFLEET_SERVE_SECRET": secrets.token_urlsafe(24),
+            "TUNEFLEET_UI_SECRET": secrets.token_urlsafe(24),
             "TUNEFLEET_SERVE_PORT": str(free_port()),
             "TUNEFLEET_CONTROLLER_LEASE_TTL_S": "5",
             # the session's Ray token and S3 credentials (tests/conftest.py)
@@ -194,6 +195,23 @@ def _leader(cluster: dict[str, Any]) -> subprocess.Popen[bytes]:
                 return proc
         time.sleep(0.3)
     raise AssertionError("no controller leads")
+
+
+def test_a_dashboard_session_from_one_api_pod_is_good_at_the_other(
+    cluster: dict[str, Any],
+) -> None:
+    """The chart gives every API pod one session key: behind one address, a browser's
+    requests land on any pod, signed in at every one."""
+    first, second = cluster["apis"]
+    key = cluster["keys"]["acme"]
+    with httpx.Client(base_url=first) as browser:
+        form = browser.get("/ui/signin")
+        token = form.text.split('name="csrf_token" value="', 1)[1].split('"', 1)[0]
+        signed = browser.post("/ui/signin", data={"api_key": key, "csrf_token": token})
+        assert signed.status_code == 303, signed.text
+        session = browser.cookies["tunefleet_session"]
+    other = httpx.get(f"{second}/ui/jobs", cookies={"tunefleet_session": session})
+    assert other.status_code == 200 and "Fine-tuning jobs" in other.text, other.text[:500]
 
 
 def test_two_tenants_train_and_serve_through_a_controller_failover(

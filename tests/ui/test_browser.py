@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from browser import chromium, points, sign_in, watch_csp
+from browser import chromium, points, shoot, sign_in, watch_csp
 from conftest import auth as H
 from conftest import make_tenant
 from tunefleet.platform.db import Job, session_scope
@@ -120,6 +120,7 @@ def test_sign_in_watch_a_job_train_and_cancel_another(chrome: Any, world: dict[s
     page.keyboard.press("Enter")
     page.wait_for_url(f"{url}/ui")
     assert page.locator("h1").inner_text() == "Overview"
+    shoot(page, "overview")
 
     # the jobs list: tenant A's own jobs, with links, and no one else's
     page.click("nav >> text=Jobs")
@@ -127,6 +128,7 @@ def test_sign_in_watch_a_job_train_and_cancel_another(chrome: Any, world: dict[s
     rows = page.locator("table.jobs tbody tr")
     assert rows.count() == 2
     assert page.locator(f"#link-{world['other']}").count() == 0
+    shoot(page, "jobs")
     # the skip link is the first stop of the keyboard
     page.keyboard.press("Tab")
     assert page.evaluate("document.activeElement.className") == "skip-link"
@@ -155,6 +157,7 @@ def test_sign_in_watch_a_job_train_and_cancel_another(chrome: Any, world: dict[s
     assert "step 8/40" in page.locator("#job-live").inner_text()
     assert page.evaluate("window.tunefleetMarker") == "same document"
     assert len(navigations) == seen_navigations
+    shoot(page, "job")
 
     # the log scale is a link away
     page.click("#scale-log")
@@ -180,6 +183,9 @@ def test_sign_in_watch_a_job_train_and_cancel_another(chrome: Any, world: dict[s
 
     for path in ("/ui", "/ui/jobs", "/ui/files", f"/ui/compare?ids={world['training']}"):
         assert page.goto(f"{url}{path}").status == 200
+    shoot(page, "compare")
+    page.goto(f"{url}/ui/files")
+    shoot(page, "files")
     assert violations == []
     context.close()
 
@@ -195,6 +201,7 @@ def test_the_jobs_list_fits_a_phone(chrome: Any, world: dict[str, Any]) -> None:
         "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
     )
     assert widths[0] <= widths[1], f"the page scrolls sideways: {widths}"
+    shoot(page, "jobs-phone")
     page.goto(f"{world['url']}/ui/jobs/{world['training']}")
     assert points(page) == 3
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
