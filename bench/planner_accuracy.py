@@ -7,7 +7,12 @@ fine-tuning), takes one AdamW step on a batch of random tokens, and measures
 - *states*: bytes of parameters, gradients and optimizer-state tensors, counted exactly;
 - *peak*: the process's peak resident memory during the step (Linux VmHWM, reset just
   before the step) minus its resident memory before the model was built, with glibc told
-  to mmap every large block so freed tensors leave the resident set at once.
+  to mmap every large block so freed tensors leave the resident set at once. Neither
+  counts the pages of the libraries' files (torch's code and data, about 150 MiB that the
+  first steps map in, more or fewer with what the page cache holds, since fault-around
+  maps only cached pages); the weights' file, which the loader maps, is counted. A step
+  on a tiny model of the same case comes first, so that what the first build imports and
+  sets up is in neither.
 The planner's prediction for the same case comes from `tunefleet.platform.planner`.
 
     .venv/bin/python bench/planner_accuracy.py        # writes bench/results/planner_accuracy.json
@@ -64,6 +69,19 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _library_kib(keep: str) -> int:
+    """Resident KiB of the files this process maps, other than those under ``keep``."""
+    total, counted = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=5)
+        if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's first line
+            path = head[5] if len(head) == 6 else ""
+            counted = path.startswith("/") and not path.startswith(keep)
+        elif counted and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
 def shape_of(case: dict[str, Any]) -> dict[str, Any]:
     """The model config of a case: SHAPE, with biases on every projection for BitFit."""
     return {**SHAPE, "attention_bias": True, "mlp_bias": True} if case.get("bias") else SHAPE
@@ -112,17 +130,33 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     from tunefleet.workers.train.methods import build_model
 
     spec = case_spec(case)
-    with tempfile.TemporaryDirectory() as tmp:
+    autocast = precision_context(spec, "cpu")
+
+    def save(tmp: str, **smaller: int) -> None:
         torch.manual_seed(0)
-        config = LlamaConfig(**shape_of(case), attn_implementation="sdpa")
+        config = LlamaConfig(**{**shape_of(case), **smaller}, attn_implementation="sdpa")
         LlamaForCausalLM(config).save_pretrained(tmp)
+
+    # A tiny model of the same case first, one step: what the first build and step import
+    # and set up (peft, the loaders, kernels; about 55 MiB) is not the step's memory.
+    with tempfile.TemporaryDirectory() as tmp:
+        save(tmp, vocab_size=256, hidden_size=64, intermediate_size=128)
+        tiny = build_model(spec, tmp).model
+        tiny.train()
+        ids = torch.randint(0, 256, (1, 16))
+        with autocast:
+            loss = tiny(input_ids=ids, labels=ids).loss
+        loss.float().backward()
+        make_optimizer(spec, [p for p in tiny.parameters() if p.requires_grad]).step()
+        del tiny, loss
+    with tempfile.TemporaryDirectory() as tmp:
+        save(tmp)
         gc.collect()
-        base = _rss_kib("VmRSS")
+        base = _rss_kib("VmRSS") - _library_kib(tmp)
         model = build_model(spec, tmp).model
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(spec, params)
-    autocast = precision_context(spec, "cpu")
     ids = torch.randint(0, SHAPE["vocab_size"], (case["batch"], case["seq"]))
 
     def step() -> int:
@@ -138,7 +172,7 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     optimizer.zero_grad(set_to_none=True)
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark
-    peak = step()
+    peak = step() - _library_kib(tmp)
 
     def nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()

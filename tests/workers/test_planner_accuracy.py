@@ -23,6 +23,14 @@ CASES = [
     {"method": "lora", "targets": ["all-linear"], "batch": 4, "seq": 256, "ckpt": True},
     {"method": "full", "targets": [], "batch": 2, "seq": 256, "ckpt": False},
     {"method": "full", "targets": [], "batch": 2, "seq": 256, "ckpt": False, "precision": "bf16"},
+    {
+        "method": "lora",
+        "targets": ["all-linear"],
+        "batch": 4,
+        "seq": 256,
+        "ckpt": False,
+        "precision": "bf16",
+    },
     {"method": "qlora", "targets": ["all-linear"], "batch": 4, "seq": 256, "ckpt": False},
     *(
         {"method": m, "targets": [], "batch": 4, "seq": 256, "ckpt": False}

@@ -217,22 +217,59 @@ def parameter_counts(shape: ModelShape, inp: PlanInput) -> tuple[int, int]:
 
 
 def activation_bytes_per_layer(shape: ModelShape, inp: PlanInput) -> float:
-    """Tensors one decoder layer saves for backward, per token, in the compute precision.
+    """Bytes one decoder layer saves for backward, per token, as autograd saves them
+    (read op by op from the saved tensors of bench/planner_accuracy.py's cases).
 
-    With SDPA (memory-efficient attention) no s x s score matrix is kept. What a Llama
-    layer saves: the two RMSNorm inputs and outputs (4h), q, k, v after RoPE
-    (h + 2 kv), the attention output (h) and its log-sum-exp, the MLP's gate and up
-    projections, SiLU(gate) and their product (4i). LoRA adds its low-rank
-    intermediates (r per targeted module) and, with dropout, a copy of each input.
+    With SDPA (memory-efficient attention) no s x s score matrix is kept. Every method
+    keeps, per layer: both RMSNorms' inputs and 1/rms in fp32 (the norm upcasts), q, k, v,
+    the attention output and its log-sum-exp, the MLP's gate and up projections and
+    SiLU(gate), in the compute precision. The rest depends on what trains:
+    - a projection whose weight trains keeps its input: in fp32 the projections reading
+      one tensor share it (q/k/v the first norm's output, gate/up the second's, o_proj the
+      attention output, down_proj the MLP product); under autocast each keeps its own
+      16-bit copy, except o_proj, whose input is 16-bit already;
+    - norms whose weight trains keep their normalized input (fp32);
+    - a LoRA adapter keeps its input the same way (peft casts it to the adapter's fp32,
+      so under autocast every adapter holds its own copy, o_proj's too) and its low-rank
+      intermediate (r);
+    - IA3 keeps what it scales (k and v outputs, down_proj's input);
+    - a bottleneck adapter keeps its input, down projection and GELU output.
     """
     h, i = shape.hidden_size, shape.intermediate_size
     kv = shape.num_kv_heads * shape.head_dim
-    elems = 4 * h + (h + 2 * kv) + h + 4 * i + shape.num_heads
-    if inp.method in ("lora", "qlora"):
-        elems += inp.lora_r * len(resolve_targets(list(inp.lora_targets)))
-    elif inp.method == "adapter":  # its down projection and GELU output, and its sum
-        elems += 2 * inp.bottleneck + h
-    return elems * _bytes(inp.precision)
+    c = _bytes(inp.precision)
+    mixed = c < 4
+    width = {n: (h if n != "down_proj" else i) for n in LINEAR_MODULES}
+    saved = 2 * (h + 1) * 4 + (2 * h + 2 * kv + 3 * i) * c + shape.num_heads * 4
+    if inp.method == "full":
+        saved += 2 * h * 4  # the norms' normalized inputs
+        inputs = [n for n in LINEAR_MODULES if n != "o_proj"] if mixed else []
+        saved += sum(width[n] for n in inputs) * c if mixed else (2 * h + i) * 4
+    elif inp.method in ("lora", "qlora"):
+        targets = resolve_targets(list(inp.lora_targets))
+        if mixed:
+            saved += sum(width[n] for n in targets) * c
+        else:  # one tensor per group of projections reading the same input
+            groups = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("down_proj",)]
+            saved += sum(width[g[0]] * 4 for g in groups if set(g) & set(targets))
+        saved += inp.lora_r * len(targets) * c
+    elif inp.method == "ia3":
+        for n in resolve_targets(list(inp.ia3_targets)):
+            out = {"k_proj": kv, "v_proj": kv, "down_proj": h}.get(n, width[n])
+            saved += (width[n] if n in inp.ia3_feedforward else out) * c
+    elif inp.method == "adapter":
+        saved += (h + 2 * inp.bottleneck) * 4
+    return saved
+
+
+def autocast_weight_copies(shape: ModelShape, inp: PlanInput) -> float:
+    """Bytes of the 16-bit copies autocast makes of fp32 weights that train (full
+    fine-tuning in bf16/fp16), kept for backward: every decoder layer's projections (one
+    layer's when checkpointed, as each is recomputed) and the output head."""
+    if inp.method != "full" or _bytes(inp.precision) == 4:
+        return 0
+    layers = 1 if inp.gradient_checkpointing else shape.num_layers
+    return (layers * shape.layer_linear_params + shape.head_params) * _bytes(inp.precision)
 
 
 def plan_memory(shape: ModelShape, inp: PlanInput) -> Breakdown:
@@ -291,11 +328,13 @@ def plan_memory(shape: ModelShape, inp: PlanInput) -> Breakdown:
     # checkpointed (plus one layer recomputed during backward).
     tokens = inp.per_device_batch * inp.seq_len
     per_layer = activation_bytes_per_layer(shape, inp) * tokens
-    layer_input = shape.hidden_size * wbytes * tokens
+    # the residual stream is in the weights' dtype: fp32 master weights or a 16-bit base
+    layer_input = shape.hidden_size * (4 if inp.method == "full" else wbytes) * tokens
     if inp.gradient_checkpointing:
         b.activations = shape.num_layers * layer_input + per_layer
     else:
         b.activations = shape.num_layers * per_layer + layer_input
+    b.activations += autocast_weight_copies(shape, inp)
     # Logits in the compute dtype, their fp32 copy for the loss, and its gradient.
     b.logits = tokens * shape.vocab_size * (wbytes + 4 + 4)
     return b
