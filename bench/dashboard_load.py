@@ -132,14 +132,17 @@ def populate(settings: Settings, n_jobs: int, n_events: int) -> dict[str, Any]:
     with session_scope(url) as s:
         for k in range(0, len(jobs), BATCH):
             s.execute(insert(Job), jobs[k : k + BATCH])
-    per_job = max(0, (n_events - LONG_STEPS) // max(1, len(others)))
+    # the rest of the events spread over the other jobs, the first few one more each, so
+    # that the total is exactly n_events
+    per_job, extra = divmod(max(0, n_events - LONG_STEPS), max(1, len(others)))
     now = int(time.time())
 
     def events() -> Iterator[dict[str, Any]]:
         for step in range(1, LONG_STEPS + 1):
             yield _metrics(long_job, step, long_job_total, now)
-        for job_id in others:
-            for m in range(3):
+        for i, job_id in enumerate(others):
+            count = per_job + (1 if i < extra else 0)  # 3 messages, the rest metrics
+            for m in range(min(3, count)):
                 yield {
                     "id": f"event-{job_id[-12:]}-x{m}",
                     "job_id": job_id,
@@ -149,8 +152,8 @@ def populate(settings: Settings, n_jobs: int, n_events: int) -> dict[str, Any]:
                     "message": f"message {m} of {job_id}",
                     "data": None,
                 }
-            for step in range(1, per_job - 2):
-                yield _metrics(job_id, step, per_job - 3, now)
+            for step in range(1, count - 2):
+                yield _metrics(job_id, step, count - 3, now)
 
     written = 0
     batch: list[dict[str, Any]] = []

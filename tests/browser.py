@@ -79,3 +79,18 @@ def points(page: Any) -> int:
     """How many steps the job page's loss chart draws."""
     attr = page.locator("#loss polyline").first.get_attribute("points") or ""
     return len(attr.split())
+
+
+def accessibility_problems(page: Any) -> list[str]:
+    """axe-core's serious and critical violations on ``page`` (all its default rules: WCAG
+    2 A/AA and best practices), one line per rule naming the elements. axe is evaluated
+    through the DevTools protocol, which the page's CSP does not govern."""
+    from axe_playwright_python.sync_playwright import Axe
+
+    violations = Axe().run(page).response["violations"]
+    return [
+        f"{v['id']} ({v['impact']}): {v['help']} at "
+        + ", ".join(str(t) for n in v["nodes"] for t in n["target"])
+        for v in violations
+        if v["impact"] in ("serious", "critical")
+    ]

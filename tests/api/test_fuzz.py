@@ -5,8 +5,8 @@ valid ones and (where the schema leaves room) invalid ones, in process through t
 app, authenticated with a real admin key, on a database seeded with a real file, two jobs
 and a fine-tuned model of each (one for model deletion alone). About half the requests
 take those real ids (and the ids of what earlier requests made) in place of generated
-ones, so routes get past their lookups; one in twenty goes without a valid key. Each
-answer must:
+ones, so routes get past their lookups (and a quarter of job creations are the smallest
+valid job); one in twenty goes without a valid key. Each answer must:
 
 - not be a server error (5xx). The exceptions: the inference routes answer 503
   ``unavailable`` ("serving ... is not reachable"), and ``/readyz`` 503 naming Ray as
@@ -194,6 +194,13 @@ def _use_real_values(case: Any, world: World) -> None:
         case.body["model"] = rng.choice(world.values["model"])
     if case.operation.label == "POST /v1/files" and rng.random() < 0.5:
         case.body = {"file": VALID_FILE, "purpose": "fine-tune"}
+    # a job body has so many fields that a generated one is rarely valid throughout: one in
+    # four is the smallest valid job (the real model and file), so creation is reached
+    if case.operation.label == "POST /v1/fine_tuning/jobs" and rng.random() < 0.25:
+        case.body = {
+            "model": rng.choice(world.values["body:model"]),
+            "training_file": rng.choice(world.values["body:training_file"]),
+        }
 
 
 def _authorization(world: World, draw: Callable[..., Any]) -> dict[str, str]:

@@ -135,7 +135,14 @@ def test_the_dry_run_shows_the_plan_the_job_stores(settings: Settings, key_a: st
     dry = tight.post("/v1/plans", headers=H(key_a), json=body).json()
     job = tight.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body).json()
     assert job["tunefleet"]["gradient_checkpointing"] is True
+    chart = dry.pop("chart")  # the dry run adds the seeds' chart to the plan
     assert dry == job["tunefleet"]["plan"] and dry["advice"]["fits"]
+    # the chart walks the seeds' steps at the plan's micro-batch; the settled one is on it
+    steps = [(c["strategy"], c["gradient_checkpointing"]) for c in chart]
+    assert steps == [("ddp", False), ("ddp", True), ("zero3", True), ("zero3_offload", True)]
+    settled = chart[1]["breakdown"]
+    assert settled == dry["breakdown"] and chart[1]["fits"]
+    assert chart[0]["breakdown"]["activations"] > settled["activations"]
 
 
 def test_auto_hyperparameters_follow_the_training_file_and_say_so(
@@ -170,7 +177,7 @@ def test_auto_hyperparameters_follow_the_training_file_and_say_so(
     plan = client.post(
         "/v1/plans", headers=H(key_a), json={"model": TINY, "training_file": big}
     ).json()
-    assert plan == job["tunefleet"]["plan"]
+    assert plan.pop("chart") and plan == job["tunefleet"]["plan"]  # the dry run adds the chart
 
     # one example: more epochs (OpenAI's rule: at least 100 seen), the smallest batch
     job = client.post(

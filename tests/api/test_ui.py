@@ -10,15 +10,15 @@ import stat
 from typing import Any
 
 from fastapi.testclient import TestClient
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from conftest import auth as H
 from conftest import make_tenant, upload_chat
 from tunefleet.api import create_app
-from tunefleet.api.ui import charts
+from tunefleet.api.ui import charts, queries, usage
 from tunefleet.api.ui.cluster import fetch_cluster, parse_nodes
 from tunefleet.api.ui.render import CSP
-from tunefleet.platform.db import ApiKey, session_scope
+from tunefleet.platform.db import ApiKey, JobEvent, Tenant, session_scope
 from tunefleet.platform.progress import record_metrics
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.status import JobStatus, add_event, transition
@@ -189,6 +189,9 @@ def test_every_ui_answer_has_the_security_headers(app_client: TestClient, key_a:
         f"/ui/jobs/{job_id}",
         "/ui/files",
         "/ui/compare",
+        "/ui/planner",
+        "/ui/planner?model=tiny-llama&method=full&batch=2",
+        "/ui/admin",
         "/ui/static/ui.css",
         "/ui/static/vendor/htmx/htmx.min.js",
         "/ui/jobs/ftjob-missing",
@@ -508,3 +511,421 @@ def test_empty_states(app_client: TestClient, settings: Settings) -> None:
     overview = app_client.get("/ui").text
     assert "No job is waiting" in overview and "No job is running" in overview
     assert "No job has failed" in overview
+
+
+# -- the planner page and memory charts ---------------------------------------------------
+
+
+def test_memory_chart_stacks_each_part_to_scale() -> None:
+    rows = [
+        ("DDP", {"weights": 600.0, "gradients": 200.0, "optimizer": 0.0, "activations": 200.0}),
+        ("+ checkpointing", {"weights": 600.0, "activations": 100.0, "logits": 50.0}),
+    ]
+    svg = str(charts.memory_chart(rows, device_bytes=2000, budget_bytes=1800, title="T", desc="D"))
+    segs = re.findall(r'class="part part-(\w+)" x="([\d.]+)" y="(\d+)" width="([\d.]+)"', svg)
+    # one segment per non-zero part, in the stacking order, each as wide as its share
+    assert [(name, y) for name, _, y, _ in segs] == [
+        ("weights", "12"), ("gradients", "12"), ("activations", "12"),
+        ("weights", "52"), ("activations", "52"), ("logits", "52"),
+    ]  # fmt: skip
+    scale = float(segs[0][3]) / 600
+    assert abs(float(segs[1][3]) - 200 * scale) < 0.2 and abs(float(segs[5][3]) - 50 * scale) < 0.2
+    first_x = [float(x) for _, x, _, _ in segs[:3]]
+    assert first_x[1] == first_x[0] + float(segs[0][3])  # stacked end to end
+    # the device line sits at the device's size on the same scale, the budget before it
+    lines = dict(re.findall(r'class="limit limit-(\w+)" x1="([\d.]+)"', svg))
+    assert abs(float(lines["device"]) - first_x[0] - 2000 * scale) < 0.2
+    assert float(lines["budget"]) < float(lines["device"])
+    assert "<title>DDP: gradients 0.0 MiB</title>" in svg  # each segment says its size
+    assert 'role="img"' in svg and "<desc" in svg
+
+
+def test_the_planner_page_draws_the_seeds_chart_of_the_same_plan_as_the_api(
+    app_client: TestClient, key_a: str
+) -> None:
+    sign_in(app_client, key_a)
+    empty = app_client.get("/ui/planner")
+    assert empty.status_code == 200 and "Choose a model" in empty.text
+    query = "model=tiny-llama&method=full&precision=fp32&batch=4&seq=256&gpus=2&memory=0.012"
+    page = app_client.get(f"/ui/planner?{query}")
+    assert page.status_code == 200, page.text
+    body = {
+        "model": "tiny-llama",
+        "training_file": "file-planner",
+        "hyperparameters": {"n_epochs": 1, "batch_size": 8},
+        "device_memory_gb": 0.012,
+        "tunefleet": {
+            "method": "full",
+            "precision": "fp32",
+            "max_seq_len": 256,
+            "micro_batch_size": 4,
+            "resources": {"num_workers": 2, "gpus_per_worker": 1},
+        },
+    }
+    plan = app_client.post("/v1/plans", headers=H(key_a), json=body).json()
+    # four bars, one per step, and a table row per step with the API's numbers
+    assert len(plan["chart"]) == 4
+    assert page.text.count('<th scope="row">') >= 4
+    for step in plan["chart"]:
+        total = step["breakdown"]["total"]
+        shown = f"{total / 2**20:.1f} MiB" if total < 2**30 else f"{total / 2**30:.1f} GiB"
+        assert shown in page.text, (step, shown)
+    # on this small device the chart has to climb: not every step fits
+    fits = [s["fits"] for s in plan["chart"]]
+    assert not fits[0] and any(fits)
+    assert page.text.count('class="part part-weights"') == 4
+    assert "Fits</strong> with" in page.text or "Does not fit" in page.text
+    # what job creation would run is the API's advice
+    advice = plan["advice"]
+    assert f"{advice['per_device_batch']} example(s) per GPU" in page.text or not advice["fits"]
+
+
+def test_the_planner_page_says_what_is_wrong_with_its_form(
+    app_client: TestClient, key_a: str
+) -> None:
+    sign_in(app_client, key_a)
+    for query, said in (
+        ("model=tiny-llama&batch=lots", "batch 'lots' is not a whole number"),
+        ("model=tiny-llama&gpus=0", "gpus 0 is out of range; use 1 to 4096"),
+        ("model=tiny-llama&memory=-1", "device memory -1 GiB is out of range"),
+        ("model=tiny-llama&method=sorcery", "method 'sorcery'"),
+        ("model=no-such-model", "no-such-model"),
+    ):
+        resp = app_client.get(f"/ui/planner?{query}")
+        assert resp.status_code == 400, query
+        assert said in resp.text.replace("&#39;", "'"), (query, resp.text[-2000:])
+        assert 'class="problem"' in resp.text
+
+
+def test_a_job_page_draws_its_memory_plan(app_client: TestClient, key_a: str) -> None:
+    sign_in(app_client, key_a)
+    job_id = new_job(app_client, key_a)
+    page = app_client.get(f"/ui/jobs/{job_id}")
+    assert page.status_code == 200
+    assert 'id="memory"' in page.text and page.text.count('class="part part-weights"') == 4
+    plan = app_client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=H(key_a)).json()
+    advice = plan["tunefleet"]["plan"]["advice"]
+    assert f"the job runs <strong>{advice['strategy']}" in page.text
+
+
+# -- the admin page ------------------------------------------------------------------------
+
+
+def test_the_admin_page_is_for_admin_keys(
+    app_client: TestClient, settings: Settings, key_a: str
+) -> None:
+    sign_in(app_client, key_a)
+    resp = app_client.get("/ui/admin")
+    assert resp.status_code == 403 and "needs an admin key" in resp.text
+    assert 'href="/ui/admin"' not in app_client.get("/ui/jobs").text
+    csrf = csrf_of(app_client.get("/ui/jobs").text)
+    refused = app_client.post("/ui/admin/tenants", data={"csrf_token": csrf, "name": "sneaky"})
+    assert refused.status_code == 403
+    admin = TestClient(app_client.app)
+    sign_in(admin, admin_key(settings))
+    page = admin.get("/ui/admin")
+    assert page.status_code == 200 and 'href="/ui/admin"' in page.text
+    assert "tenant-a" in page.text and "ops" in page.text and "sneaky" not in page.text
+
+
+def test_an_admin_adds_a_tenant_whose_key_is_shown_once_and_works(
+    app_client: TestClient, settings: Settings
+) -> None:
+    admin = admin_key(settings)
+    csrf = sign_in(app_client, admin)
+    resp = app_client.post(
+        "/ui/admin/tenants",
+        data={
+            "csrf_token": csrf,
+            "name": "acme",
+            "max_concurrent_jobs": "2",
+            "max_gpus": "4",
+            "max_waiting_jobs": "10",
+        },
+    )
+    assert resp.status_code == 200 and resp.headers["cache-control"] == "no-store"
+    key = re.search(r'value="(tf-[A-Za-z0-9_-]+)"', resp.text)
+    assert key, resp.text
+    assert app_client.get("/v1/fine_tuning/jobs", headers=H(key.group(1))).status_code == 200
+    tenants = app_client.get("/v1/admin/tenants", headers=H(admin)).json()
+    acme = next(t for t in tenants["data"] if t["name"] == "acme")
+    assert (acme["max_concurrent_jobs"], acme["max_gpus"], acme["max_waiting_jobs"]) == (2, 4, 10)
+    # shown once: the admin page lists the key by its prefix only
+    page = app_client.get("/ui/admin").text
+    assert key.group(1) not in page and key.group(1)[:PREFIX_LEN] in page
+    # refusals name the bad value, and change nothing
+    for data, status, said in (
+        ({"name": "acme"}, 409, "tenant 'acme' already exists"),
+        ({"name": "Bad Name"}, 400, "tenant name 'Bad Name' is invalid"),
+        ({"name": "big", "max_gpus": "1000001"}, 400, "max_gpus"),
+        ({"name": "nan", "max_gpus": "many"}, 400, "max_gpus"),
+    ):
+        resp = app_client.post("/ui/admin/tenants", data={"csrf_token": csrf, **data})
+        assert resp.status_code == status, (data, resp.text[-1500:])
+        assert said in resp.text.replace("&#39;", "'"), data
+    listed = app_client.get("/v1/admin/tenants", headers=H(admin)).json()["data"]
+    names = {t["name"] for t in listed}
+    assert not names & {"big", "nan", "bad name"}
+
+
+def test_quotas_set_on_the_admin_page_hold_at_the_api(
+    app_client: TestClient, settings: Settings, key_a: str
+) -> None:
+    csrf = sign_in(app_client, admin_key(settings))
+    with session_scope(settings.resolved_database_url) as s:
+        tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == "tenant-a"))
+    url = f"/ui/admin/tenants/{tenant_id}/quotas"
+    resp = app_client.post(
+        url, data={"csrf_token": csrf, "max_waiting_jobs": "0"}, follow_redirects=False
+    )
+    assert resp.status_code == 303 and "done=quotas" in resp.headers["location"]
+    f = upload_chat(app_client, key_a)
+    refused = app_client.post(
+        "/v1/fine_tuning/jobs",
+        headers=H(key_a),
+        json={"model": "tiny-llama", "training_file": f["id"]},
+    )
+    assert refused.status_code == 429, refused.text
+    # the others were left as they were
+    with session_scope(settings.resolved_database_url) as s:
+        tenant = s.get(Tenant, tenant_id)
+        assert tenant is not None
+        assert (tenant.max_waiting_jobs, tenant.max_concurrent_jobs, tenant.max_gpus) == (0, 4, 8)
+    bad = app_client.post(url, data={"csrf_token": csrf, "max_gpus": "-1"})
+    assert bad.status_code == 400 and "max_gpus" in bad.text
+    missing = app_client.post("/ui/admin/tenants/tenant-nope/quotas",
+                              data={"csrf_token": csrf, "max_gpus": "1"})  # fmt: skip
+    assert missing.status_code == 404 and "no tenant with id" in missing.text
+    assert app_client.post(url, data={"max_gpus": "1"}).status_code == 403  # no CSRF token
+
+
+def test_keys_created_and_revoked_on_the_admin_page(
+    app_client: TestClient, settings: Settings, key_a: str
+) -> None:
+    csrf = sign_in(app_client, admin_key(settings))
+    with session_scope(settings.resolved_database_url) as s:
+        tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == "tenant-a"))
+    made = app_client.post(
+        f"/ui/admin/tenants/{tenant_id}/keys",
+        data={"csrf_token": csrf, "name": "ci runner", "admin": "on"},
+    )
+    assert made.status_code == 200 and "New admin key for tenant-a" in made.text
+    secret = re.search(r'value="(tf-[A-Za-z0-9_-]+)"', made.text)
+    assert secret
+    assert app_client.get("/v1/admin/tenants", headers=H(secret.group(1))).status_code == 200
+    with session_scope(settings.resolved_database_url) as s:
+        key = s.scalar(select(ApiKey).where(ApiKey.name == "ci runner"))
+        assert key is not None and key.is_admin and key.tenant_id == tenant_id
+        key_id = key.id
+    gone = app_client.post(
+        f"/ui/admin/keys/{key_id}/revoke", data={"csrf_token": csrf}, follow_redirects=False
+    )
+    assert gone.status_code == 303 and "done=revoked" in gone.headers["location"]
+    assert app_client.get("/v1/models", headers=H(secret.group(1))).status_code == 401
+    assert app_client.get("/v1/models", headers=H(key_a)).status_code == 200  # others kept
+    page = app_client.get("/ui/admin?done=revoked").text
+    assert "Key revoked." in page and "revoked 20" in page
+    missing = app_client.post("/ui/admin/keys/key-nope/revoke", data={"csrf_token": csrf})
+    assert missing.status_code == 404 and "no API key with id" in missing.text
+
+
+# -- adapters and serving ------------------------------------------------------------------
+
+RAY_METRICS = """\
+# HELP ray_tunefleet_adapter_requests_total Requests per adapter.
+# TYPE ray_tunefleet_adapter_requests_total counter
+ray_tunefleet_adapter_requests_total{adapter="ftjob-1",deployment="Base",replica="r1"} 3.0
+ray_tunefleet_adapter_requests_total{adapter="ftjob-1",deployment="Base",replica="r2"} 1.0
+ray_tunefleet_adapter_requests_total{adapter="base",deployment="Base",replica="r1"} 5.0
+# HELP ray_tunefleet_adapter_generated_tokens_total Tokens generated.
+# TYPE ray_tunefleet_adapter_generated_tokens_total counter
+ray_tunefleet_adapter_generated_tokens_total{adapter="ftjob-1",replica="r1"} 40.0
+# HELP ray_tunefleet_adapter_request_seconds Time from request to last token.
+# TYPE ray_tunefleet_adapter_request_seconds histogram
+ray_tunefleet_adapter_request_seconds_bucket{adapter="ftjob-1",le="0.1",replica="r1"} 1.0
+ray_tunefleet_adapter_request_seconds_bucket{adapter="ftjob-1",le="0.5",replica="r1"} 3.0
+ray_tunefleet_adapter_request_seconds_bucket{adapter="ftjob-1",le="+Inf",replica="r1"} 3.0
+ray_tunefleet_adapter_request_seconds_sum{adapter="ftjob-1",replica="r1"} 0.9
+ray_tunefleet_adapter_request_seconds_count{adapter="ftjob-1",replica="r1"} 3.0
+ray_tunefleet_adapter_request_seconds_bucket{adapter="ftjob-1",le="0.1",replica="r2"} 0.0
+ray_tunefleet_adapter_request_seconds_bucket{adapter="ftjob-1",le="0.5",replica="r2"} 1.0
+ray_tunefleet_adapter_request_seconds_bucket{adapter="ftjob-1",le="+Inf",replica="r2"} 1.0
+ray_tunefleet_adapter_request_seconds_sum{adapter="ftjob-1",replica="r2"} 0.3
+ray_tunefleet_adapter_request_seconds_count{adapter="ftjob-1",replica="r2"} 1.0
+# HELP ray_tunefleet_adapter_loads_total Adapters loaded into this replica.
+# TYPE ray_tunefleet_adapter_loads_total counter
+ray_tunefleet_adapter_loads_total{adapter="ftjob-1",replica="r1"} 1.0
+ray_tunefleet_adapter_loads_total{adapter="ftjob-1",replica="r2"} 2.0
+# HELP ray_tunefleet_adapter_evictions_total Adapters evicted (LRU).
+# TYPE ray_tunefleet_adapter_evictions_total counter
+ray_tunefleet_adapter_evictions_total{adapter="ftjob-1",replica="r2"} 2.0
+# HELP ray_node_cpu_utilization Something else.
+# TYPE ray_node_cpu_utilization gauge
+ray_node_cpu_utilization{ip="10.0.0.1"} 12.0
+"""
+
+
+def test_adapter_usage_is_summed_from_rays_metrics_across_replicas() -> None:
+    got: dict[str, usage.AdapterUsage] = {}
+    usage.parse(RAY_METRICS, got)
+    one = got["ftjob-1"]
+    assert (one.requests, one.tokens) == (4.0, 40.0)
+    assert one.mean_latency == 1.2 / 4
+    # 1 of 4 under 0.1 s, all 4 under 0.5 s: the 95th percentile is inside (0.1, 0.5]
+    assert one.buckets == {0.1: 1.0, 0.5: 4.0, float("inf"): 4.0}
+    p95 = one.p95_latency
+    assert p95 is not None and abs(p95 - (0.1 + 0.4 * (3.8 - 1) / 3)) < 1e-9
+    assert one.replicas == {"r1"}  # r2 loaded it twice and evicted it twice
+    assert got["base"].requests == 5.0 and set(got) == {"ftjob-1", "base"}
+    assert usage.quantile({}, 0.95) is None
+    assert usage.quantile({1.0: 0.0, float("inf"): 2.0}, 0.5) == 1.0  # in +Inf: the top bound
+
+
+def test_adapters_page_shares_and_serving_changes(
+    app_client: TestClient, settings: Settings, key_a: str, key_b: str, a_objects: dict[str, Any]
+) -> None:
+    model = a_objects["model"]
+    csrf = sign_in(app_client, key_a)
+    page = app_client.get("/ui/adapters")
+    assert page.status_code == 200 and model in page.text
+    assert "multiplexed on the shared base" in page.text and "Shared with" in page.text
+    # Ray is not running here: the page says figures are missing, and still renders
+    assert "serving figures are not available right now" in page.text
+    assert "Serve merged" not in page.text  # serving changes are an admin's
+    other = TestClient(app_client.app)
+    other_csrf = sign_in(other, key_b)
+    assert model not in other.get("/ui/adapters").text
+    shared = app_client.post(
+        "/ui/adapters/shares",
+        data={"csrf_token": csrf, "model": model, "tenant": "tenant-b", "change": "share"},
+        follow_redirects=False,
+    )
+    assert shared.status_code == 303 and "done=shared" in shared.headers["location"]
+    seen = other.get("/ui/adapters").text
+    assert model in seen and "Share with tenant" not in seen  # callable, not re-shareable
+    assert "tenant-b" in app_client.get("/ui/adapters").text
+    resharing = other.post(
+        "/ui/adapters/shares",
+        data={"csrf_token": other_csrf, "model": model, "tenant": "tenant-a"},
+    )
+    assert resharing.status_code == 404 and "of yours" in resharing.text
+    for data, status, said in (
+        ({"tenant": "nobody"}, 404, "no tenant named 'nobody'"),
+        ({"tenant": "tenant-a"}, 400, "always visible to its own tenant"),
+    ):
+        resp = app_client.post(
+            "/ui/adapters/shares", data={"csrf_token": csrf, "model": model, **data}
+        )
+        assert resp.status_code == status and said in resp.text.replace("&#39;", "'")
+    # a tenant key may not change serving
+    refused = app_client.post(
+        "/ui/adapters/serving", data={"csrf_token": csrf, "model": model, "change": "merged"}
+    )
+    assert refused.status_code == 403 and "needs an admin key" in refused.text
+    unshared = app_client.post(
+        "/ui/adapters/shares",
+        data={"csrf_token": csrf, "model": model, "tenant": "tenant-b", "change": "unshare"},
+        follow_redirects=False,
+    )
+    assert unshared.status_code == 303
+    assert model not in other.get("/ui/adapters").text
+
+    admin = admin_key(settings)
+    admin_csrf = sign_in(other, admin)
+    assert model in other.get("/ui/adapters").text  # an admin sees every tenant's
+    for change, field, value in (
+        ("merged", "serving_mode", "merged"),
+        ("pin", "pinned", True),
+        ("unpin", "pinned", False),
+        ("multiplexed", "serving_mode", "multiplexed"),
+    ):
+        resp = other.post(
+            "/ui/adapters/serving",
+            data={"csrf_token": admin_csrf, "model": model, "change": change},
+            follow_redirects=False,
+        )
+        assert resp.status_code == 303, resp.text
+        listed = other.get("/v1/admin/adapters", headers=H(admin)).json()["data"]
+        assert next(a for a in listed if a["model"] == model)[field] == value, change
+    for data, status in (({"change": "melted"}, 400), ({"model": "ft:nope", "change": "pin"}, 404)):
+        resp = other.post(
+            "/ui/adapters/serving", data={"csrf_token": admin_csrf, "model": model, **data}
+        )
+        assert resp.status_code == status, resp.text
+    no_csrf = other.post("/ui/adapters/serving", data={"model": model, "change": "merged"})
+    assert no_csrf.status_code == 403
+
+
+# -- the playground ------------------------------------------------------------------------
+
+
+def test_the_playground_offers_what_the_key_may_call_and_refuses_the_rest(
+    app_client: TestClient, key_a: str, key_b: str, a_objects: dict[str, Any]
+) -> None:
+    csrf = sign_in(app_client, key_a)
+    page = app_client.get("/ui/playground")
+    assert page.status_code == 200
+    assert '<script src="/ui/static/playground.js" defer></script>' in page.text
+    # column 1 the base model, column 2 the newest fine-tuned model, column 3 none
+    selected = re.findall(r'<option value="([^"]*)" selected>', page.text)
+    assert selected == ["tiny-llama", a_objects["model"], ""]
+    assert app_client.get("/ui/static/playground.js").status_code == 200
+
+    def ask(client: TestClient, token: str | None, body: Any) -> Any:
+        headers = {"X-CSRF-Token": token} if token else {}
+        return client.post("/ui/playground/chat", headers=headers, json=body)
+
+    good = {"model": a_objects["model"], "prompt": "hi", "max_tokens": 4}
+    assert ask(app_client, None, good).status_code == 403  # no CSRF token
+    for body, said in (
+        ({**good, "max_tokens": 0}, "max_tokens"),
+        ({**good, "prompt": ""}, "prompt"),
+        ({**good, "stream": False}, "stream"),
+        ([1, 2], "Input should be"),
+    ):
+        resp = ask(app_client, csrf, body)
+        assert resp.status_code == 400 and said in resp.json()["error"]["message"], body
+    missing = ask(app_client, csrf, {**good, "model": "ft:nope"})
+    assert (
+        missing.status_code == 404
+        and "'ft:nope' does not exist" in missing.json()["error"]["message"]
+    )
+    # Serve is not running here: the column says so, naming the base model
+    down = ask(app_client, csrf, good)
+    assert down.status_code == 503 and "tiny-llama" in down.json()["error"]["message"]
+    other = TestClient(app_client.app)
+    other_csrf = sign_in(other, key_b)
+    assert a_objects["model"] not in other.get("/ui/playground").text
+    assert ask(other, other_csrf, good).status_code == 404  # another tenant's model
+
+
+def test_a_long_jobs_curve_is_thinned_by_the_database(
+    app_client: TestClient, settings: Settings, key_a: str
+) -> None:
+    """Of more than MAX_REPORTS metrics events the database sends every k-th, the first
+    and the last kept; up to MAX_REPORTS, every one (a resumed step keeps its newest
+    value)."""
+    long, short = new_job(app_client, key_a), new_job(app_client, key_a)
+    most = queries.MAX_REPORTS
+    with session_scope(settings.resolved_database_url) as s:
+        for job_id, steps in ((long, 2 * most + 500), (short, most - 1)):
+            s.add_all(
+                JobEvent(
+                    id=f"ev-{job_id}-{i}",
+                    job_id=job_id,
+                    type="metrics",
+                    message="m",
+                    data={"step": i, "train_loss": 1 / i},
+                )
+                for i in range(1, steps + 1)
+            )
+        # the short job's step 5 again, from a resumed run: its newest value wins
+        s.add(JobEvent(id=f"ev-{short}-again", job_id=short, type="metrics", message="m",
+                       data={"step": 5, "train_loss": 9.0}))  # fmt: skip
+    with session_scope(settings.resolved_database_url) as s:
+        thinned = queries.loss_curves(s, long).train
+        whole = queries.loss_curves(s, short).train
+    stride = 3  # ceil(4500 / 2000)
+    assert [x for x, _ in thinned] == [*range(1, 2 * most + 501, stride), 2 * most + 500]
+    assert thinned[1] == (4.0, 0.25)
+    assert len(whole) == most - 1 and dict(whole)[5] == 9.0

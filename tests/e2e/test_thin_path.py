@@ -993,6 +993,100 @@ def test_the_dashboard_follows_a_real_job_through_pause_and_resume(
         assert violations == []
 
 
+def test_the_dashboard_serves_an_adapter_merged_and_shows_its_traffic(
+    stack: dict[str, Any], acme_job: dict[str, Any]
+) -> None:
+    """The adapters page on the running stack (issue 21): an admin in a real browser sees
+    acme's model with the requests Serve's replicas counted (Ray's metrics), switches it to
+    merged with the button, the replica serves it merged with the same greedy answer, and
+    switches it back."""
+    from browser import chromium, sign_in, watch_csp
+
+    job = acme_job["job"]
+    client = httpx.Client(base_url=stack["url"], headers=auth(stack["keys"]["acme"]), timeout=60)
+    replica = f"{stack['serve']}/models/{TINY}/v1/adapters"
+
+    def merged() -> bool:
+        state = httpx.get(replica, headers=serve_auth(stack), timeout=30).json()
+        return job["id"] in state["merged"]
+
+    def chat() -> str:
+        resp = client.post(
+            "/v1/chat/completions",
+            json={"model": job["fine_tuned_model"], "temperature": 0, "max_tokens": 8,
+                  "messages": [{"role": "user", "content": "what is a banana"}]},
+        )  # fmt: skip
+        assert resp.status_code == 200, resp.text
+        return str(resp.json()["choices"][0]["message"]["content"])
+
+    before = chat()
+    card = f"#adapter-{job['id']}"
+    with chromium() as browser:
+        page = browser.new_context().new_page()
+        violations = watch_csp(page)
+        sign_in(page, stack["url"], stack["keys"]["admin"])
+        # the replicas' counts reach Ray's metrics agent every few seconds
+        deadline = time.monotonic() + 90
+        while True:
+            page.goto(f"{stack['url']}/ui/adapters")
+            facts = page.locator(card).inner_text()
+            requests = re.search(r"Requests\s+([\d,]+)", facts)
+            if requests and int(requests.group(1).replace(",", "")) >= 1:
+                break
+            assert time.monotonic() < deadline, f"no requests shown for the adapter: {facts}"
+            page.wait_for_timeout(2000)
+        assert "multiplexed on the shared base" in facts
+        assert re.search(r"Loaded on\s+\S", facts) and "no replica now" not in facts, facts
+        for button, wanted in (("merged", True), ("multiplexed", False)):
+            page.click(f"{card} button.action-{button}")
+            page.wait_for_url(re.compile(r".*/ui/adapters\?done=" + button))
+            served = "merged into its own copy" if wanted else "multiplexed on the shared base"
+            assert served in page.locator(card).inner_text()
+            deadline = time.monotonic() + 60
+            while merged() != wanted:
+                assert time.monotonic() < deadline, f"the replica did not switch to {button}"
+                time.sleep(0.5)
+            assert chat() == before
+        assert violations == []
+
+
+def test_the_playground_streams_the_base_and_an_adapter_side_by_side(
+    stack: dict[str, Any], acme_job: dict[str, Any]
+) -> None:
+    """The playground on the running stack (issue 21): acme asks its base model and its
+    fine-tuned model one prompt in a real browser; both answers stream in through the API
+    from the real Serve replica, each with its tokens/s, and the fine-tuned column says
+    what the adapter says through the SDK."""
+    from browser import chromium, sign_in, watch_csp
+
+    model = acme_job["job"]["fine_tuned_model"]
+    with chromium() as browser:
+        page = browser.new_context().new_page()
+        violations = watch_csp(page)
+        sign_in(page, stack["url"], stack["keys"]["acme"])
+        page.goto(f"{stack['url']}/ui/playground")
+        page.select_option("#pg-model-1", TINY)
+        page.select_option("#pg-model-2", model)
+        page.select_option("#pg-model-3", "")
+        page.fill("#pg-prompt", "what is a banana")
+        page.fill("#pg-max", "8")
+        page.click("#playground button[type=submit]")
+        deadline = time.monotonic() + 120  # (wait_for_function evaluates: the CSP refuses)
+        while page.locator(".pg-column[data-done]").count() < 3:
+            assert time.monotonic() < deadline, "the answers never finished streaming"
+            page.wait_for_timeout(250)
+        columns = page.locator(".pg-column")
+        for i in (0, 1):
+            stats = columns.nth(i).locator(".pg-stats").inner_text()
+            assert re.fullmatch(
+                r"\d+ tokens · [\d.]+ tokens/s · first token after [\d.]+ s", stats
+            ), stats
+            assert int(columns.nth(i).get_attribute("data-tokens") or 0) >= 1
+        assert columns.nth(1).locator(".pg-output").inner_text().strip() == ANSWER
+        assert columns.nth(2).locator(".pg-output").inner_text() == ""
+        assert violations == []
+
+
 def test_openai_sdk_deletes_a_fine_tuned_model_and_it_stops_answering(
     sdk: Any, acme_job: dict[str, Any]
 ) -> None:

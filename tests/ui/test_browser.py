@@ -15,13 +15,15 @@ from typing import Any
 import httpx
 import pytest
 
-from browser import chromium, points, shoot, sign_in, watch_csp
+from browser import accessibility_problems, chromium, points, shoot, sign_in, watch_csp
 from conftest import auth as H
 from conftest import make_tenant
-from tunefleet.platform.db import Job, session_scope
+from tunefleet.platform.db import Adapter, Job, session_scope
+from tunefleet.platform.ids import new_id
 from tunefleet.platform.progress import apply
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.status import JobStatus, transition
+from tunefleet.platform.tenants import create_key, create_tenant
 
 pytestmark = pytest.mark.slow
 
@@ -205,5 +207,74 @@ def test_the_jobs_list_fits_a_phone(chrome: Any, world: dict[str, Any]) -> None:
     page.goto(f"{world['url']}/ui/jobs/{world['training']}")
     assert points(page) == 3
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    assert violations == []
+    context.close()
+
+
+def test_every_page_passes_axe_and_the_admin_tools_work(
+    chrome: Any, world: dict[str, Any], settings: Settings
+) -> None:
+    """axe-core finds no serious or critical violation on any page; an admin makes a key
+    on the admin page (shown once, working at /v1) and revokes it, switches an adapter to
+    merged, plans a job and opens the playground."""
+    url = world["url"]
+    with session_scope(settings.resolved_database_url) as s:
+        tenant = create_tenant(s, "ops")
+        admin = create_key(s, tenant.id, is_admin=True)[1]
+        job = s.get(Job, world["training"])
+        assert job is not None
+        model = f"ft:tiny-llama:tenant-a::{job.id}"
+        s.add(Adapter(id=new_id("adapter"), tenant_id=job.tenant_id, job_id=job.id, name=model,
+                      base_model="tiny-llama", path=f"adapters/{job.id}"))  # fmt: skip
+    context = chrome.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    violations = watch_csp(page)
+    problems: dict[str, list[str]] = {}
+
+    def check(path: str, shot: str = "") -> None:
+        response = page.goto(f"{url}{path}")
+        assert response is not None and response.status == 200, path
+        problems[path] = accessibility_problems(page)
+        if shot:
+            shoot(page, shot)
+
+    check("/ui/signin")
+    sign_in(page, url, admin)
+    check("/ui")
+    check("/ui/jobs")
+    check(f"/ui/jobs/{world['training']}")
+    check(f"/ui/compare?ids={world['training']}+{world['other']}")
+    check("/ui/files")
+    check("/ui/adapters", "adapters")
+    check("/ui/playground", "playground")
+    check("/ui/planner")
+    plan = "model=tiny-llama&method=full&precision=fp32&batch=4&seq=256&gpus=2&memory=0.012"
+    check(f"/ui/planner?{plan}", "planner")
+    assert page.locator("#memory rect.part-weights").count() == 4
+    check("/ui/admin", "admin")
+    assert {p: v for p, v in problems.items() if v} == {}
+
+    # a key for tenant A, made on the admin page: shown once, and it works at /v1
+    tenant_a = page.locator("article.tenant", has=page.locator("h3", has_text="tenant-a"))
+    tenant_a.locator("input[name=name]").fill("browser key")
+    tenant_a.locator("button", has_text="Create key").click()
+    page.wait_for_url(f"{url}/ui/admin/tenants/**")
+    secret = page.input_value("#secret")
+    assert httpx.get(f"{url}/v1/models", headers=H(secret)).status_code == 200
+    assert accessibility_problems(page) == []
+    page.click("text=Back to the admin page")
+    row = page.locator("tr", has_text="browser key")
+    row.locator("button", has_text="Revoke").click()
+    page.wait_for_url(f"{url}/ui/admin?done=revoked**")
+    assert "revoked" in page.locator("tr", has_text="browser key").inner_text()
+    assert httpx.get(f"{url}/v1/models", headers=H(secret)).status_code == 401
+
+    # the adapter to merged, with its button
+    page.goto(f"{url}/ui/adapters")
+    page.click(f"#adapter-{job.id} button.action-merged")
+    page.wait_for_url(f"{url}/ui/adapters?done=merged**")
+    assert "merged into its own copy" in page.locator(f"#adapter-{job.id}").inner_text()
+    admin_view = httpx.get(f"{url}/v1/admin/adapters", headers=H(admin)).json()["data"]
+    assert next(a for a in admin_view if a["model"] == model)["serving_mode"] == "merged"
     assert violations == []
     context.close()

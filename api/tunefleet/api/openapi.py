@@ -222,6 +222,10 @@ class Plan(_Open):
     breakdown: dict[str, Any]
     device: dict[str, Any]
     advice: dict[str, Any]
+    chart: list[dict[str, Any]] = Field(
+        description="The seeds' chart (DDP, + gradient checkpointing, ZeRO-3, + CPU offload) "
+        "at the job's per-device batch: each step's breakdown and whether it fits."
+    )
 
 
 class TenantObject(_Open):

@@ -32,7 +32,7 @@ from tunefleet.platform.defaults import Settled, settle
 from tunefleet.platform.errors import InvalidRequest, NotFound, QuotaExceeded
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
-from tunefleet.platform.planner import PlanDevice, plan_for_spec, resolve_spec
+from tunefleet.platform.planner import PlanDevice, chart_of_plan, plan_for_spec, resolve_spec
 from tunefleet.platform.spec import (
     BASE_LEARNING_RATE,
     JobSpec,
@@ -413,15 +413,16 @@ def dry_run(
     spec, _ = build_spec(req, job_id="plan", tenant_id=tenant_id, config=config,
                          examples=examples)  # fmt: skip
     try:
-        return resolve_spec(
+        plan = resolve_spec(
             config, spec, device_bytes=device.memory_bytes, host_bytes=device.host_bytes
         )[1]
     except InvalidRequest as exc:
         if exc.code != "does_not_fit":
             raise
-        return plan_for_spec(
+        plan = plan_for_spec(
             config, spec, device_bytes=device.memory_bytes, host_bytes=device.host_bytes
         )
+    return {**plan, "chart": chart_of_plan(config, plan)}
 
 
 def create_job(

@@ -362,6 +362,44 @@ class Advice:
         }
 
 
+# The share of a device a plan may fill: the rest is for allocator fragmentation and
+# communication buffers.
+HEADROOM = 0.9
+# The seeds' step-by-step chart: each step trades speed for memory.
+CHART: tuple[tuple[Strategy, bool], ...] = (
+    ("ddp", False),
+    ("ddp", True),
+    ("zero3", True),
+    ("zero3_offload", True),
+)
+
+
+def chart(
+    shape: ModelShape,
+    inp: PlanInput,
+    device_bytes: float,
+    *,
+    host_bytes: float = 256 * GiB,
+    headroom: float = HEADROOM,
+) -> list[dict[str, Any]]:
+    """Every step of the seeds' chart for ``inp`` at its own per-device batch: what each
+    would need per device, and whether it fits ``headroom`` of the device (and, offloading,
+    of the host)."""
+    steps = []
+    for strategy, ckpt in CHART:
+        b = plan_memory(shape, replace(inp, strategy=strategy, gradient_checkpointing=ckpt))
+        fits = b.total <= device_bytes * headroom and b.cpu_offloaded <= host_bytes * headroom
+        steps.append(
+            {
+                "strategy": strategy,
+                "gradient_checkpointing": ckpt,
+                "breakdown": b.as_dict(),
+                "fits": fits,
+            }
+        )
+    return steps
+
+
 def _fmt(nbytes: float) -> str:
     if nbytes >= GiB:
         return f"{nbytes / GiB:.2f} GiB"
@@ -375,7 +413,7 @@ def advise(
     *,
     global_batch: int,
     host_bytes: float = 256 * GiB,
-    headroom: float = 0.9,
+    headroom: float = HEADROOM,
     strategy: Strategy | None = None,
 ) -> Advice:
     """Walk the seeds' chart for a device of ``device_bytes`` (using ``headroom`` of it
@@ -384,11 +422,7 @@ def advise(
     ``strategy`` is kept: only gradient checkpointing and the batch are chosen."""
     budget = device_bytes * headroom
     reasons = [f"budget {_fmt(budget)} of {_fmt(device_bytes)} per device"]
-    path: list[tuple[Strategy, bool]] = (
-        [("ddp", False), ("ddp", True), ("zero3", True), ("zero3_offload", True)]
-        if strategy is None
-        else [(strategy, False), (strategy, True)]
-    )
+    path = list(CHART) if strategy is None else [(strategy, False), (strategy, True)]
     for step, ckpt in path:
         if step == "zero3" and inp.num_workers == 1 and strategy is None:
             continue  # shards nothing on one worker
@@ -404,9 +438,10 @@ def advise(
                 f"memory, more than {_fmt(host_bytes * headroom)} available"
             )
             continue
-        # Largest per-device batch that fits: states are fixed, the rest grows linearly.
-        per_sample = one.activations + one.logits
-        batch = max(1, int((budget - one.states) // per_sample)) if per_sample else global_batch
+        # Largest per-device batch that fits: the plan grows linearly with the batch.
+        per_sample = plan_memory(shape, replace(trial, per_device_batch=2)).total - one.total
+        fixed = one.total - per_sample
+        batch = max(1, int((budget - fixed) // per_sample)) if per_sample else global_batch
         batch = min(batch, max(1, math.ceil(global_batch / trial.num_workers)))
         accum = max(1, math.ceil(global_batch / (batch * trial.num_workers)))
         final = plan_memory(shape, replace(trial, per_device_batch=batch))
@@ -591,3 +626,19 @@ def plan_for_spec(
         "device": {"memory_bytes": device_bytes, "host_memory_bytes": host_bytes},
         "advice": advice.as_dict(),
     }
+
+
+def chart_of_plan(config: dict[str, Any], plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """``chart`` for a plan ``plan_for_spec`` made (a job's stored plan, say) on the model
+    of ``config``, for the same device."""
+    stored: dict[str, Any] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in plan["input"].items()
+    }
+    inp = PlanInput(**stored)
+    device = plan["device"]
+    return chart(
+        ModelShape.from_config(config),
+        inp,
+        device["memory_bytes"],
+        host_bytes=device["host_memory_bytes"],
+    )

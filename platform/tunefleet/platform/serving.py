@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
@@ -65,6 +65,28 @@ def describe(adapter: Adapter) -> dict[str, object]:
         "serving_mode": adapter.serving_mode,
         "pinned": adapter.pinned,
     }
+
+
+def set_serving(
+    session: Session, name: str, *, mode: str | None = None, pinned: bool | None = None
+) -> Adapter:
+    """Move adapter ``name`` between merged and multiplexed serving, or pin it (an admin's
+    call: every tenant's adapters share the replicas). Replicas apply it when the
+    controller next pushes their config."""
+    adapter = session.scalar(select(Adapter).where(Adapter.name == name))
+    if adapter is None:
+        raise NotFound(f"no fine-tuned model named {name!r}", param="model")
+    if mode is not None:
+        if mode not in get_args(ServingMode):
+            raise InvalidRequest(
+                f"serving mode {mode!r} is not one of {', '.join(get_args(ServingMode))}",
+                param="serving_mode",
+            )
+        adapter.serving_mode = mode
+    if pinned is not None:
+        adapter.pinned = pinned
+    session.flush()
+    return adapter
 
 
 def _shared_with(tenant_id: str) -> Any:

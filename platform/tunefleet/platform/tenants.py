@@ -10,12 +10,13 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tunefleet.platform.db.models import ApiKey, Tenant, now_s
-from tunefleet.platform.errors import Conflict, InvalidRequest, Unauthenticated
+from tunefleet.platform.db.models import ApiKey, Job, Tenant, now_s
+from tunefleet.platform.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
 from tunefleet.platform.ids import new_id
+from tunefleet.platform.status import ACTIVE
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 PREFIX_LEN = 11  # "tf-" + 8
@@ -163,3 +164,50 @@ def ensure_bootstrap_tenant(session: Session, name: str = "default") -> str | No
     tenant = create_tenant(session, name)
     _, plaintext = create_key(session, tenant.id, name="bootstrap", is_admin=True)
     return plaintext
+
+
+# -- administration (the admin REST routes and the dashboard's admin page) ------------------
+
+QUOTAS = ("max_concurrent_jobs", "max_gpus", "max_waiting_jobs")
+
+
+def get_tenant(session: Session, tenant_id: str) -> Tenant:
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise NotFound(f"no tenant with id {tenant_id!r}", param="tenant_id")
+    return tenant
+
+
+def active_jobs_by_tenant(session: Session) -> dict[str, int]:
+    """How many jobs each tenant has that are not finished."""
+    rows = session.execute(
+        select(Job.tenant_id, func.count()).where(Job.status.in_(ACTIVE)).group_by(Job.tenant_id)
+    )
+    return {tenant_id: count for tenant_id, count in rows.tuples()}
+
+
+def set_quotas(session: Session, tenant_id: str, **quotas: int) -> Tenant:
+    """Change a tenant's ``QUOTAS`` (those given); its keys' cached principals, which
+    carry the old ones, are forgotten."""
+    unknown = set(quotas) - set(QUOTAS)
+    if unknown:
+        raise InvalidRequest(f"{sorted(unknown)} are not quotas; use {', '.join(QUOTAS)}")
+    tenant = get_tenant(session, tenant_id)
+    for name, value in quotas.items():
+        setattr(tenant, name, value)
+    session.flush()
+    forget_keys()
+    return tenant
+
+
+def revoke_key(session: Session, key_id: str) -> ApiKey:
+    """Revoke a key (again: no change); it stops working in this process at once, in
+    other API processes within ``AUTH_CACHE_TTL_S``, and dashboard sessions that name it
+    end at their next request."""
+    key = session.get(ApiKey, key_id)
+    if key is None:
+        raise NotFound(f"no API key with id {key_id!r}", param="key_id")
+    key.revoked_at = key.revoked_at or now_s()
+    session.flush()
+    forget_keys()
+    return key

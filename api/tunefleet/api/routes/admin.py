@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from tunefleet.api.deps import PrincipalDep, SessionDep
 from tunefleet.api.openapi import (
@@ -21,12 +21,19 @@ from tunefleet.api.openapi import (
     errors,
     ok,
 )
-from tunefleet.platform.db import Adapter, ApiKey, Job, Tenant, now_s
-from tunefleet.platform.errors import Forbidden, NotFound
+from tunefleet.platform import tenants
+from tunefleet.platform.db import Adapter, Job, Tenant
+from tunefleet.platform.errors import Forbidden
 from tunefleet.platform.jobs import job_view
-from tunefleet.platform.serving import ServingMode, describe
-from tunefleet.platform.status import ACTIVE
-from tunefleet.platform.tenants import Principal, create_key, create_tenant, forget_keys
+from tunefleet.platform.serving import ServingMode, describe, set_serving
+from tunefleet.platform.tenants import (
+    Principal,
+    active_jobs_by_tenant,
+    create_key,
+    create_tenant,
+    get_tenant,
+    set_quotas,
+)
 
 
 async def require_admin(principal: PrincipalDep) -> Principal:
@@ -78,22 +85,9 @@ def tenant_view(t: Tenant, active_jobs: int = 0) -> dict[str, Any]:
     }
 
 
-def _tenant(session: SessionDep, tenant_id: str) -> Tenant:
-    tenant = session.get(Tenant, tenant_id)
-    if tenant is None:
-        raise NotFound(f"no tenant with id {tenant_id!r}", param="tenant_id")
-    return tenant
-
-
 @router.get("/tenants", responses=ok(TenantList))
 def list_tenants(session: SessionDep, _: AdminDep) -> dict[str, Any]:
-    active = dict(
-        session.execute(
-            select(Job.tenant_id, func.count())
-            .where(Job.status.in_(ACTIVE))
-            .group_by(Job.tenant_id)
-        ).all()
-    )
+    active = active_jobs_by_tenant(session)
     rows = session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.name))
     return {"object": "list", "data": [tenant_view(t, active.get(t.id, 0)) for t in rows]}
 
@@ -116,17 +110,14 @@ def add_tenant(body: TenantCreate, session: SessionDep, _: AdminDep) -> dict[str
 def update_tenant(
     tenant_id: str, body: TenantUpdate, session: SessionDep, _: AdminDep
 ) -> dict[str, Any]:
-    tenant = _tenant(session, tenant_id)
-    for field, value in body.model_dump(exclude_none=True).items():
-        setattr(tenant, field, value)
+    tenant = set_quotas(session, tenant_id, **body.model_dump(exclude_none=True))
     session.commit()
-    forget_keys()  # cached principals carry the old quotas
     return tenant_view(tenant)
 
 
 @router.post("/tenants/{tenant_id}/keys", responses={**ok(NewKey), **errors(404)})
 def add_key(tenant_id: str, body: KeyCreate, session: SessionDep, _: AdminDep) -> dict[str, Any]:
-    tenant = _tenant(session, tenant_id)
+    tenant = get_tenant(session, tenant_id)
     key, plaintext = create_key(session, tenant.id, name=body.name, is_admin=body.admin)
     session.commit()
     return {
@@ -141,12 +132,8 @@ def add_key(tenant_id: str, body: KeyCreate, session: SessionDep, _: AdminDep) -
 
 @router.delete("/keys/{key_id}", responses={**ok(RevokedKey), **errors(404)})
 def revoke_key(key_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
-    key = session.get(ApiKey, key_id)
-    if key is None:
-        raise NotFound(f"no API key with id {key_id!r}", param="key_id")
-    key.revoked_at = key.revoked_at or now_s()
+    key = tenants.revoke_key(session, key_id)
     session.commit()
-    forget_keys()
     return {"id": key.id, "object": "api_key", "prefix": key.prefix, "revoked": True}
 
 
@@ -196,12 +183,6 @@ def update_serving(
     """Move an adapter between merged and multiplexed serving, or pin it; every replica of
     its base model applies the change once the controller pushes it (within
     ``TUNEFLEET_SERVE_CONFIG_PUSH_S``), requests in flight finish where they started."""
-    adapter = session.scalar(select(Adapter).where(Adapter.name == model))
-    if adapter is None:
-        raise NotFound(f"no fine-tuned model named {model!r}", param="model")
-    if body.serving_mode is not None:
-        adapter.serving_mode = body.serving_mode
-    if body.pinned is not None:
-        adapter.pinned = body.pinned
+    adapter = set_serving(session, model, mode=body.serving_mode, pinned=body.pinned)
     session.commit()
     return {**describe(adapter), "tenant_id": adapter.tenant_id}

@@ -114,9 +114,8 @@ async def chat_completions(
     settings: SettingsDep,
     store: StoreDep,
 ) -> Response:
-    return await _forward(
-        "chat/completions", request, session, principal, registry, settings, store
-    )
+    body = await _json_body("chat/completions", request)
+    return await forward("chat/completions", body, session, principal, registry, settings, store)
 
 
 @router.post("/completions", responses=_ANSWERS, openapi_extra=_body(_COMPLETION_BODY))
@@ -128,7 +127,8 @@ async def completions(
     settings: SettingsDep,
     store: StoreDep,
 ) -> Response:
-    return await _forward("completions", request, session, principal, registry, settings, store)
+    body = await _json_body("completions", request)
+    return await forward("completions", body, session, principal, registry, settings, store)
 
 
 # One connection pool to Serve per event loop (an API worker runs one): a request reuses
@@ -190,17 +190,8 @@ def _resolve(
     )
 
 
-async def _forward(
-    path: str,
-    request: Request,
-    session: Session,
-    principal: Principal,
-    registry: ModelRegistry,
-    settings: Settings,
-    store: Store,
-) -> Response:
-    """Check ``model``, then pass the request to Serve and its answer back: whole, or
-    as the server-sent events it streams."""
+async def _json_body(path: str, request: Request) -> dict[str, Any]:
+    """The request's body: a JSON object, or 400 saying what it is instead."""
     try:
         body = json.loads(await request.body())
     except ValueError as exc:
@@ -212,6 +203,21 @@ async def _forward(
             f"{'messages' if path.startswith('chat') else 'prompt'}; "
             f"got {kind.get(type(body), 'a number')}"
         )
+    return body
+
+
+async def forward(
+    path: str,
+    body: dict[str, Any],
+    session: Session,
+    principal: Principal,
+    registry: ModelRegistry,
+    settings: Settings,
+    store: Store,
+) -> Response:
+    """Check ``model``, then pass ``body`` to Serve (``path`` under its ``/v1``) and its
+    answer back: whole, or as the server-sent events it streams. The REST routes and the
+    dashboard's playground both call Serve through here."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest(

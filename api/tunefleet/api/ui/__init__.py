@@ -12,13 +12,17 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from tunefleet.api.ui import actions, pages
+from tunefleet.api.ui import actions, adapters, admin, pages, planning, playground
 from tunefleet.api.ui.render import PREFIX, STATIC_DIR, SecurityHeaders
 
 
 def install(app: FastAPI) -> None:
     app.include_router(pages.router)
     app.include_router(actions.router)
+    app.include_router(planning.router)
+    app.include_router(admin.router)
+    app.include_router(adapters.router)
+    app.include_router(playground.router)
     app.mount(f"{PREFIX}/static", StaticFiles(directory=STATIC_DIR), name="ui-static")
     app.add_middleware(SecurityHeaders)
 

@@ -168,3 +168,89 @@ def legend(series: Sequence[Series]) -> Markup:
         for i, s in enumerate(series)
     )
     return Markup(f'<ul class="legend">{items}</ul>')
+
+
+# The parts of a memory plan, in the order they are stacked (planner.Breakdown's names).
+MEMORY_PARTS = ("weights", "gradients", "optimizer", "activations", "logits")
+
+
+def _bytes_label(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def memory_chart(
+    rows: Sequence[tuple[str, dict[str, float]]],
+    *,
+    device_bytes: float,
+    budget_bytes: float,
+    title: str,
+    desc: str,
+    chart_id: str = "memory",
+    width: int = WIDTH,
+) -> Markup:
+    """Horizontal bars, one per (label, breakdown) row, each stacking ``MEMORY_PARTS``
+    (class ``part-NAME``), against the device's memory and the planner's budget (dashed
+    lines). Every segment has a ``<title>`` with its size, for hover and screen readers."""
+    label_w, bar_h, gap, top, bottom = 190, 26, 14, 12, 40
+    height = top + len(rows) * (bar_h + gap) + bottom
+    plot_w = width - label_w - MARGIN_RIGHT - 8
+    most = max([device_bytes, *(sum(b.get(p, 0) for p in MEMORY_PARTS) for _, b in rows)])
+    scale = plot_w / most if most > 0 else 0.0
+    title_id, desc_id = f"{chart_id}-title", f"{chart_id}-desc"
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart memory" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-labelledby="{title_id} {desc_id}" '
+        f'id="{escape(chart_id)}">',
+        f'<title id="{title_id}">{escape(title)}</title>',
+        f'<desc id="{desc_id}">{escape(desc)}</desc>',
+    ]
+    for i, (label, parts) in enumerate(rows):
+        y = top + i * (bar_h + gap)
+        out.append(
+            f'<text x="{label_w - 8}" y="{y + bar_h / 2 + 4:.0f}" '
+            f'text-anchor="end">{escape(label)}</text>'
+        )
+        x = float(label_w)
+        for part in MEMORY_PARTS:
+            size = parts.get(part, 0)
+            if size <= 0:
+                continue
+            w = size * scale
+            out.append(
+                f'<rect class="part part-{part}" x="{x:.1f}" y="{y}" width="{w:.1f}" '
+                f'height="{bar_h}"><title>{escape(label)}: {part} '
+                f"{_bytes_label(size)}</title></rect>"
+            )
+            x += w
+        total = sum(parts.get(p, 0) for p in MEMORY_PARTS)
+        inside = x + 70 > label_w + plot_w
+        out.append(
+            f'<text class="bar-total" x="{x - 4 if inside else x + 4:.1f}" '
+            f'y="{y + bar_h / 2 + 4:.0f}" text-anchor="{"end" if inside else "start"}">'
+            f"{_bytes_label(total)}</text>"
+        )
+    base = top + len(rows) * (bar_h + gap)
+    for cls, value, name in (
+        ("budget", budget_bytes, "budget"),
+        ("device", device_bytes, "device"),
+    ):
+        x = label_w + value * scale
+        out.append(
+            f'<line class="limit limit-{cls}" x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" '
+            f'y2="{base - gap + 4}"><title>{name} {_bytes_label(value)}</title></line>'
+        )
+        out.append(
+            f'<text class="limit-label" x="{x:.1f}" y="{base + (14 if cls == "budget" else 30)}" '
+            f'text-anchor="middle">{name} {_bytes_label(value)}</text>'
+        )
+    out.append("</svg>")
+    return Markup("".join(out))
+
+
+def memory_legend() -> Markup:
+    """The key of ``memory_chart``, as HTML."""
+    items = "".join(
+        f'<li><span class="swatch part-{p}" aria-hidden="true"></span>{p}</li>'
+        for p in MEMORY_PARTS
+    )
+    return Markup(f'<ul class="legend">{items}</ul>')

@@ -31,6 +31,8 @@ class NodeView:
     gpus_used: float | None
     memory: int | None  # the machine's RAM, bytes
     memory_used: int | None
+    ip: str = ""
+    metrics_port: int | None = None  # where Ray's metrics agent exports (Prometheus)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,10 @@ def parse_nodes(payload: dict[str, Any]) -> list[NodeView]:
                 gpus_used=usage["GPU"][0] if "GPU" in usage else None,
                 memory=int(mem[0]) if len(mem) >= 1 else None,
                 memory_used=int(mem[3]) if len(mem) >= 4 else None,
+                ip=str(entry.get("ip") or raylet.get("nodeManagerAddress") or ""),
+                metrics_port=int(raylet["metricsExportPort"])
+                if raylet.get("metricsExportPort")
+                else None,
             )
         )
     return sorted(nodes, key=lambda n: (not n.head, n.host, n.id))

@@ -10,14 +10,17 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse
 from sqlalchemy.orm import Session
 
-from tunefleet.api.deps import SessionDep, SettingsDep, StoreDep
+from tunefleet.api.deps import RegistryDep, SessionDep, SettingsDep, StoreDep
 from tunefleet.api.ui import charts, queries
 from tunefleet.api.ui.cluster import fetch_cluster
+from tunefleet.api.ui.planning import memory_bars
 from tunefleet.api.ui.render import UiRoute, page
 from tunefleet.api.ui.session import Viewer, ViewerDep
 from tunefleet.platform.db import Job
 from tunefleet.platform.errors import InvalidRequest
 from tunefleet.platform.jobs import job_view, list_events
+from tunefleet.platform.models import ModelRegistry
+from tunefleet.platform.planner import chart_of_plan
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.status import LEVELS, REQUESTS, TERMINAL, JobStatus
 
@@ -133,6 +136,21 @@ def _live(session: Session, job: Job, log: bool) -> dict[str, Any]:
     }
 
 
+def _memory(registry: ModelRegistry, job: Job) -> dict[str, Any]:
+    """The job's memory plan as the seeds' chart of bars, when it has a plan and its base
+    model is still registered (the chart needs its config)."""
+    if not job.plan or job.model not in registry.names():
+        return {"memory_chart": None}
+    try:
+        plan = {**job.plan, "chart": chart_of_plan(registry.config(job.model), job.plan)}
+    except (KeyError, TypeError):  # a plan stored by an older planner, without its input
+        return {"memory_chart": None}
+    return {
+        "memory_chart": memory_bars(plan, title=f"Memory plan of {job.id}"),
+        "memory_legend": charts.memory_legend(),
+    }
+
+
 @router.get("/jobs/{job_id}")
 def job_page(
     request: Request,
@@ -140,6 +158,7 @@ def job_page(
     viewer: ViewerDep,
     session: SessionDep,
     store: StoreDep,
+    registry: RegistryDep,
     scale: str = "linear",
     level: str = "",
     type: str = "",
@@ -156,6 +175,7 @@ def job_page(
     context = {
         "viewer": viewer,
         **_live(session, job, scale == "log"),
+        **_memory(registry, job),
         "done": DONE.get(done, ""),
         "tenant_name": queries.tenant_name(session, job.tenant_id),
         "view": job_view(job),

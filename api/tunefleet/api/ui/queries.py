@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import Row, Select, or_, select
+from sqlalchemy import Row, Select, func, or_, select
 from sqlalchemy.orm import Session
 
 from tunefleet.platform.artifacts import Store
@@ -186,20 +186,44 @@ class Curves:
     latest: dict[str, Any] | None
 
 
+# Reports a job page reads at most: a chart draws 500 points a series (charts.MAX_POINTS),
+# and a job of 50,000 steps would otherwise send 50,000 rows to be thinned here.
+MAX_REPORTS = 2000
+
+
 def loss_curves(session: Session, job_id: str) -> Curves:
     """Training and validation loss by step from the job's metrics events; a step reported
-    again (a run resumed from an older checkpoint) keeps its newest value."""
+    again (a run resumed from an older checkpoint) keeps its newest value. Of more than
+    ``MAX_REPORTS`` reports the database sends every k-th (the first and the last kept),
+    so that a long job's page reads about ``MAX_REPORTS`` rows, not one per step."""
     train: dict[float, float] = {}
     valid: dict[float, float] = {}
-    # the three numbers read out of each event's JSON by the database, not the whole
-    # document decoded here: a job of 50,000 steps has 50,000 of them
-    data = JobEvent.data
+    numbered = (
+        select(
+            JobEvent.seq,
+            JobEvent.data,
+            func.row_number().over(order_by=JobEvent.seq).label("n"),
+            func.count().over().label("total"),
+        )
+        .where(JobEvent.job_id == job_id, JobEvent.type == "metrics")
+        .subquery()
+    )
+    stride = (numbered.c.total + MAX_REPORTS - 1) // MAX_REPORTS
+    # the three numbers read out of each kept event's JSON by the database, not the whole
+    # document decoded here
+    data = numbered.c.data
     rows = session.execute(
         select(
             data["step"].as_float(), data["train_loss"].as_float(), data["valid_loss"].as_float()
         )
-        .where(JobEvent.job_id == job_id, JobEvent.type == "metrics")
-        .order_by(JobEvent.seq)
+        .where(
+            or_(
+                numbered.c.total <= MAX_REPORTS,
+                (numbered.c.n - 1) % stride == 0,
+                numbered.c.n == numbered.c.total,
+            )
+        )
+        .order_by(numbered.c.seq)
     )
     for step, train_loss, valid_loss in rows:
         if step is None:
