@@ -207,6 +207,14 @@ def test_the_jobs_list_fits_a_phone(chrome: Any, world: dict[str, Any]) -> None:
     page.goto(f"{world['url']}/ui/jobs/{world['training']}")
     assert points(page) == 3
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    plan = "model=tiny-llama&method=lora&batch=4&seq=256&gpus=2&memory=0.012"
+    for path in (f"/ui/planner?{plan}", "/ui/playground", "/ui/adapters", "/ui/files"):
+        page.goto(f"{world['url']}{path}")
+        width = page.evaluate("document.documentElement.scrollWidth")
+        assert width <= 390, f"{path} scrolls sideways on a phone: {width}"
+    shoot(page, "files-phone")
+    page.goto(f"{world['url']}/ui/planner?{plan}")
+    shoot(page, "planner-phone")
     assert violations == []
     context.close()
 
@@ -238,7 +246,7 @@ def test_every_page_passes_axe_and_the_admin_tools_work(
         if shot:
             shoot(page, shot)
 
-    check("/ui/signin")
+    check("/ui/signin", "signin")
     sign_in(page, url, admin)
     check("/ui")
     check("/ui/jobs")
@@ -255,7 +263,7 @@ def test_every_page_passes_axe_and_the_admin_tools_work(
     assert {p: v for p, v in problems.items() if v} == {}
 
     # a key for tenant A, made on the admin page: shown once, and it works at /v1
-    tenant_a = page.locator("article.tenant", has=page.locator("h3", has_text="tenant-a"))
+    tenant_a = page.locator(f"#tenant-{job.tenant_id}")  # the training job's tenant: A
     tenant_a.locator("input[name=name]").fill("browser key")
     tenant_a.locator("button", has_text="Create key").click()
     page.wait_for_url(f"{url}/ui/admin/tenants/**")

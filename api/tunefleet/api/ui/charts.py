@@ -191,7 +191,7 @@ def memory_chart(
     """Horizontal bars, one per (label, breakdown) row, each stacking ``MEMORY_PARTS``
     (class ``part-NAME``), against the device's memory and the planner's budget (dashed
     lines). Every segment has a ``<title>`` with its size, for hover and screen readers."""
-    label_w, bar_h, gap, top, bottom = 190, 26, 14, 12, 40
+    label_w, bar_h, gap, top, bottom = 190, 26, 14, 12, 48
     height = top + len(rows) * (bar_h + gap) + bottom
     plot_w = width - label_w - MARGIN_RIGHT - 8
     most = max([device_bytes, *(sum(b.get(p, 0) for p in MEMORY_PARTS) for _, b in rows)])
@@ -240,8 +240,9 @@ def memory_chart(
             f'y2="{base - gap + 4}"><title>{name} {_bytes_label(value)}</title></line>'
         )
         out.append(
-            f'<text class="limit-label" x="{x:.1f}" y="{base + (14 if cls == "budget" else 30)}" '
-            f'text-anchor="middle">{name} {_bytes_label(value)}</text>'
+            f'<text class="limit-label" x="{x:.1f}" y="{base + (16 if cls == "budget" else 36)}" '
+            f'text-anchor="{"end" if x > width / 2 else "start"}">'
+            f"{name} {_bytes_label(value)}</text>"
         )
     out.append("</svg>")
     return Markup("".join(out))

@@ -24,11 +24,11 @@ from tunefleet.platform.spec import Method
 router = APIRouter(prefix="/ui", route_class=UiRoute, include_in_schema=False)
 METHODS = get_args(Method)
 PRECISIONS = ("bf16", "fp16", "fp32")
-STEP_LABELS = {
-    ("ddp", False): "DDP",
-    ("ddp", True): "+ gradient checkpointing",
-    ("zero3", True): "ZeRO-3 (FSDP)",
-    ("zero3_offload", True): "+ CPU offload",
+STEP_LABELS = {  # in the table; the chart's own are shorter, to stay legible on a phone
+    ("ddp", False): ("DDP", "DDP"),
+    ("ddp", True): ("+ gradient checkpointing", "+ checkpointing"),
+    ("zero3", True): ("ZeRO-3 (FSDP)", "ZeRO-3"),
+    ("zero3_offload", True): ("+ CPU offload", "+ offload"),
 }
 
 
@@ -128,16 +128,17 @@ def planner_page(
     return page(request, "planner.html", context)
 
 
-def step_label(step: dict[str, Any]) -> str:
+def step_label(step: dict[str, Any], *, short: bool = False) -> str:
     key = (str(step["strategy"]), bool(step["gradient_checkpointing"]))
-    return STEP_LABELS.get(key, key[0])
+    long, brief = STEP_LABELS.get(key, (key[0], key[0]))
+    return brief if short else long
 
 
 def memory_bars(plan: dict[str, Any], *, title: str, chart_id: str = "memory") -> Any:
     """The seeds' chart of ``plan`` (a dry run's, with ``chart``) as memory bars."""
     device = plan["device"]["memory_bytes"]
-    rows = [(step_label(s), s["breakdown"]) for s in plan["chart"]]
-    fitting = [label for (label, _), s in zip(rows, plan["chart"], strict=True) if s["fits"]]
+    rows = [(step_label(s, short=True), s["breakdown"]) for s in plan["chart"]]
+    fitting = [step_label(s) for s in plan["chart"] if s["fits"]]
     batch = plan["input"]["per_device_batch"]
     desc = (
         f"Per-GPU memory of each step of the tuning chart at {batch} example(s) per GPU, "
