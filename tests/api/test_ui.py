@@ -143,11 +143,21 @@ def test_pages_need_a_session(app_client: TestClient) -> None:
 
 def test_sign_out_ends_the_session(app_client: TestClient, key_a: str) -> None:
     csrf = sign_in(app_client, key_a)
+    copied = app_client.cookies["tunefleet_session"]
+    other = TestClient(app_client.app)  # the same key, signed in elsewhere
+    sign_in(other, key_a)
     assert app_client.post("/ui/signout", follow_redirects=False).status_code == 403
     resp = app_client.post("/ui/signout", data={"csrf_token": csrf}, follow_redirects=False)
     assert resp.status_code == 303 and resp.headers["location"] == "/ui/signin"
     assert resp.headers["set-cookie"].startswith('tunefleet_session=""')
     assert app_client.get("/ui", follow_redirects=False).status_code == 303
+    # a copy of the signed-out cookie is refused too, though its signature is still good
+    thief = TestClient(app_client.app)
+    thief.cookies.set("tunefleet_session", copied, path="/ui")
+    resp = thief.get("/ui/jobs", follow_redirects=False)
+    assert resp.status_code == 303 and resp.headers["location"].startswith("/ui/signin")
+    # the key's other session goes on
+    assert other.get("/ui/jobs", follow_redirects=False).status_code == 200
 
 
 def test_a_revoked_keys_session_ends_at_once(

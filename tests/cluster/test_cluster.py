@@ -85,7 +85,16 @@ def cluster(
     ):
         ray.init(address=head.address, log_to_driver=False)
         try:
-            worker_node = next(n["NodeID"] for n in ray.nodes() if "trainer" in n["Resources"])
+            # its agent listens a moment before the node is registered with the head
+            deadline = time.monotonic() + 60
+            while not (
+                trainers := [
+                    n["NodeID"] for n in ray.nodes() if n["Alive"] and "trainer" in n["Resources"]
+                ]
+            ):
+                assert time.monotonic() < deadline, f"the second node never joined: {ray.nodes()}"
+                time.sleep(0.5)
+            worker_node = trainers[0]
         finally:
             ray.shutdown()
         chart = render(CHART / "ci" / "s3-values.yaml")

@@ -19,6 +19,7 @@ from tunefleet.api.ui.session import (
     UiSession,
     ViewerDep,
     clear_session,
+    end_session,
     read_session,
     write_session,
 )
@@ -66,7 +67,10 @@ def sign_in(
 
 
 @router.post("/signout")
-def sign_out(request: Request, _: CsrfDep) -> Response:
+def sign_out(request: Request, session: CsrfDep, db: SessionDep) -> Response:
+    """End the session here and for any copy of its cookie, and clear the cookie."""
+    end_session(request, db, session)
+    db.commit()
     response = RedirectResponse(f"{PREFIX}/signin", status_code=303)
     clear_session(request, response)
     return response

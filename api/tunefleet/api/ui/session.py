@@ -6,7 +6,9 @@ HTTPS) holds ``{"k": key id, "c": CSRF token}``, signed with the dashboard's key
 (``TUNEFLEET_UI_SECRET``, or ``data_dir/ui-secret`` made once) and dated: itsdangerous
 refuses it once ``ui_session_hours`` have passed. The key itself is never stored; each
 request reads the key's row again (``tenants.principal_for_key``), so a revoked key's
-sessions end at once.
+sessions end at once. Signing out records the session (its CSRF token's hash) as ended
+until its cookie would have expired (``ui_ended_sessions``): a copy of the cookie is
+refused from then on, by every API process.
 
 The sign-in form is CSRF-checked too, with a token of its own in a cookie of its own
 (``tunefleet_signin``, Path=/ui/signin, an hour): a browser that arrives from another site
@@ -16,6 +18,7 @@ overwrite the session it cannot see. Signing in makes a new session and a new to
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
@@ -23,8 +26,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request, Response
 from itsdangerous import BadSignature, URLSafeTimedSerializer
+from sqlalchemy import delete
+from sqlalchemy.orm import Session
 
-from tunefleet.platform.db import single_statement_sessions
+from tunefleet.platform.db import EndedUiSession, now_s, single_statement_sessions
 from tunefleet.platform.errors import Forbidden, Unauthenticated
 from tunefleet.platform.local_secrets import persisted_secret
 from tunefleet.platform.settings import Settings
@@ -134,10 +139,25 @@ def viewer(request: Request) -> Viewer:
     url = _settings(request).resolved_database_url
     try:
         with single_statement_sessions(url)() as db:
+            if db.get(EndedUiSession, _token_hash(session.csrf)) is not None:
+                raise SignInRequired()  # signed out: a copy of its cookie
             principal = principal_for_key(db, session.key_id)
     except Unauthenticated as exc:
         raise SignInRequired("Your session ended: its API key was revoked.") from exc
     return Viewer(principal=principal, csrf=session.csrf)
+
+
+def _token_hash(csrf: str) -> str:
+    return hashlib.sha256(csrf.encode()).hexdigest()
+
+
+def end_session(request: Request, db: Session, session: UiSession) -> None:
+    """Record ``session`` as signed out until its cookie would have expired, and forget
+    the sessions whose cookies have expired since."""
+    now = now_s()
+    _, _, max_age = _cookie(request, signin=False)
+    db.execute(delete(EndedUiSession).where(EndedUiSession.expires_at < now))
+    db.merge(EndedUiSession(token_hash=_token_hash(session.csrf), expires_at=now + max_age))
 
 
 async def _checked(request: Request, session: UiSession | None) -> UiSession:

@@ -183,3 +183,14 @@ class AdapterShare(Base):
         ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True, index=True
     )
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class EndedUiSession(Base):
+    """A dashboard session signed out before its cookie expires: the SHA-256 of its CSRF
+    token (each session's own, in its signed cookie), kept until the cookie would have
+    expired, so that a copy of the cookie is refused after sign-out."""
+
+    __tablename__ = "ui_ended_sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    expires_at: Mapped[int] = mapped_column(BigInteger, index=True)
