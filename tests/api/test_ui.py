@@ -822,6 +822,7 @@ def test_adapters_page_shares_and_serving_changes(
     for data, status, said in (
         ({"tenant": "nobody"}, 404, "no tenant named 'nobody'"),
         ({"tenant": "tenant-a"}, 400, "always visible to its own tenant"),
+        ({"tenant": "tenant-b", "change": "steal"}, 400, "'steal' is not share or unshare"),
     ):
         resp = app_client.post(
             "/ui/adapters/shares", data={"csrf_token": csrf, "model": model, **data}

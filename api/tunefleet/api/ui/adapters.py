@@ -153,6 +153,8 @@ def change_shares(
 ) -> Response:
     """Share the viewer's own model with a tenant (by name), or stop sharing it."""
     try:
+        if change not in ("share", "unshare"):
+            raise InvalidRequest(f"{change!r} is not share or unshare", param="change")
         adapter = owned_adapter(session, viewer.principal.tenant_id, model)
         (share if change == "share" else unshare)(session, adapter, tenant.strip())
         session.commit()
