@@ -43,6 +43,7 @@ import httpx
 import psutil
 
 import machine
+from baseline import baseline_tree, code_env
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -171,27 +172,6 @@ async def offered_load(
         "list_p99_ms": round(1000 * percentile(list_latencies, 0.99), 1) if lists else None,
         "errors": errors[:5],
     }
-
-
-def code_env(code: Path | None) -> dict[str, str]:
-    """The environment that runs ``code`` (a tree holding api/, platform/ and workers/)
-    instead of the installed checkout: its roots come first on the path."""
-    env = dict(os.environ)
-    if code is not None:
-        env["PYTHONPATH"] = os.pathsep.join(str(code / r) for r in ("api", "platform", "workers"))
-    return env
-
-
-def baseline_tree(rev: str) -> Path:
-    """The Python roots and migrations of ``rev`` of this repository, in a temporary folder."""
-    dest = Path(tempfile.mkdtemp(prefix="apiload-baseline-"))
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", rev, "api", "platform", "workers", "migrations"],
-        check=True,
-        capture_output=True,
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    return dest
 
 
 SETUP = """

@@ -13,7 +13,6 @@ import math
 import re
 import secrets
 import time
-from functools import lru_cache
 from typing import Any, Literal
 
 from pydantic import (
@@ -24,9 +23,12 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from sqlalchemy import Executable, Row, and_, bindparam, exists, func, insert, select
+from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
+from tunefleet.platform._new_job import JOB_COLUMNS as JOB_COLUMNS  # re-exported
+from tunefleet.platform._new_job import WAITING as WAITING  # re-exported
+from tunefleet.platform._new_job import FirstEvent, NewJob, insert_job
 from tunefleet.platform.db.models import File, Job, JobEvent
 from tunefleet.platform.defaults import Settled, settle
 from tunefleet.platform.errors import InvalidRequest, NotFound, QuotaExceeded
@@ -240,92 +242,6 @@ def _explain_unusable(session: Session, principal: Principal, file_id: str, para
         raise InvalidRequest(f"file {file_id} is {status}, not processed", param=param)
 
 
-@lru_cache(maxsize=8)
-def _create_statement(postgres: bool, files: int) -> Executable:
-    """The statements that store a new job, built once (building them per request cost more
-    than running them). Core, not the ORM: creation is the API's hottest write. Values are
-    bound as ``job_<column>``, ``event_<column>`` and ``file_<param>``.
-
-    ``files`` > 0: insert the job row only where its ``files`` files (training, then
-    validation) are usable and the tenant has fewer than ``waiting_cap`` jobs waiting, in
-    the same statement: no separate check to race with a delete, one round trip fewer; no
-    row returned = not inserted. (Concurrent creates of one tenant each count the others'
-    committed jobs only: the cap may be passed by the creates in flight.) On PostgreSQL the same
-    statement also writes the job's first event (only where the job row was written), so
-    with a session from ``single_statement_sessions`` it is the whole transaction: one
-    round trip instead of four (BEGIN, two INSERTs, COMMIT). On SQLite, ``files`` = 0 is
-    the event's insert, run next in the session's transaction.
-    A unique-key clash (Idempotency-Key) raises IntegrityError."""
-    jobs, events, file_cols = Job.__table__.c, JobEvent.__table__.c, File.__table__.c
-    if files == 0:
-        return insert(JobEvent).values({k: bindparam(f"event_{k}") for k in _EVENT_COLUMNS})
-    row = select(*(bindparam(f"job_{k}", type_=jobs[k].type).label(k) for k in _JOB_COLUMNS))
-    waiting = (
-        select(jobs.id)
-        .where(jobs.tenant_id == bindparam("job_tenant_id"), jobs.status.in_(WAITING))
-        .limit(bindparam("waiting_cap"))
-        .subquery()
-    )
-    row = row.where(
-        select(func.count()).select_from(waiting).scalar_subquery() < bindparam("waiting_cap")
-    )
-    for param in ("training_file", "validation_file")[:files]:
-        row = row.where(
-            exists().where(
-                and_(
-                    file_cols.id == bindparam(f"file_{param}"),
-                    file_cols.tenant_id == bindparam("job_tenant_id"),
-                    file_cols.purpose == "fine-tune",
-                    file_cols.status == "processed",
-                )
-            )
-        )
-    new_job = insert(Job).from_select(list(_JOB_COLUMNS), row).returning(jobs.id)
-    if not postgres:
-        return new_job
-    made = new_job.cte("new_job")
-    event_row = select(
-        *(
-            made.c.id.label(k)
-            if k == "job_id"
-            else bindparam(f"event_{k}", type_=events[k].type).label(k)
-            for k in _EVENT_COLUMNS
-        )
-    )
-    return (
-        insert(JobEvent)
-        .from_select(list(_EVENT_COLUMNS), event_row)
-        .returning(events.job_id)
-        .add_cte(made, nest_here=True)
-    )
-
-
-# Jobs that wait to run, which a tenant's ``max_waiting_jobs`` caps.
-WAITING = (JobStatus.VALIDATING_FILES.value, JobStatus.QUEUED.value)
-
-_JOB_COLUMNS = (
-    "id",
-    "tenant_id",
-    "status",
-    "model",
-    "training_file",
-    "validation_file",
-    "fine_tuned_model",
-    "spec",
-    "request",
-    "metadata",
-    "priority",
-    "attempt",
-    "idempotency_key",
-    "created_at",
-    "created_ns",
-    "updated_at",
-    "result_files",
-    "plan",
-)
-_EVENT_COLUMNS = ("id", "job_id", "created_at", "level", "type", "message", "data")
-
-
 def training_examples(session: Session, tenant_id: str, file_id: str) -> int | None:
     """The number of examples in the tenant's file ``file_id`` (None: no such file, or
     stored before files counted them): what "auto" epochs and batch size follow.
@@ -433,9 +349,13 @@ def create_job(
     *,
     idempotency_key: str | None = None,
     device: PlanDevice | None = None,
-) -> Job:
+) -> Row[Any]:
     """Validate references, build the spec and store the job in ``validating_files``
-    with its memory plan for ``device``."""
+    with its memory plan for ``device``; the stored row (``JOB_COLUMNS``).
+
+    Its one write is ``insert_job``, atomic by itself on both databases. Add no other:
+    sessions of the hot routes are in autocommit on PostgreSQL, so a second write would be
+    its own transaction (``tests/platform/test_new_job.py`` counts them)."""
     registry.require(req.model)
     config = registry.config(req.model)
     options = req.tunefleet or TuneFleetOptions()
@@ -463,56 +383,46 @@ def create_job(
         )
     now_ns = time.time_ns()
     now = now_ns // 1_000_000_000
-    values: dict[str, Any] = {
-        "id": job_id,
-        "tenant_id": principal.tenant_id,
-        "status": JobStatus.VALIDATING_FILES.value,
-        "model": req.model,
-        "training_file": req.training_file,
-        "validation_file": req.validation_file,
-        "fine_tuned_model": None,
-        "spec": spec.model_dump(mode="json"),
-        "request": req.model_dump(mode="json", exclude_unset=True),
-        "metadata": req.metadata or {},
-        "priority": spec.tunefleet.priority,
-        "attempt": 0,
-        "idempotency_key": idempotency_key,
-        "created_at": now,
-        "created_ns": now_ns,
-        "updated_at": now,
-        "result_files": [],
-        "plan": plan,
-    }
-    event = {
-        "id": new_id("event"),
-        "job_id": job_id,
-        "created_at": now,
-        "level": "info",
-        "type": "message",
-        "message": f"Created fine-tuning job: {job_id}"
+    job = NewJob(
+        id=job_id,
+        tenant_id=principal.tenant_id,
+        status=JobStatus.VALIDATING_FILES.value,
+        model=req.model,
+        training_file=req.training_file,
+        validation_file=req.validation_file,
+        fine_tuned_model=None,
+        spec=spec.model_dump(mode="json"),
+        request=req.model_dump(mode="json", exclude_unset=True),
+        metadata=req.metadata or {},
+        priority=spec.tunefleet.priority,
+        attempt=0,
+        idempotency_key=idempotency_key,
+        created_at=now,
+        created_ns=now_ns,
+        updated_at=now,
+        result_files=[],
+        plan=plan,
+    )
+    event = FirstEvent(
+        id=new_id("event"),
+        job_id=job_id,
+        created_at=now,
+        level="info",
+        type="message",
+        message=f"Created fine-tuning job: {job_id}"
         + (f"; {said}" if (said := settled.describe()) else ""),
-        "data": {"auto": settled.reasons} if settled.reasons else None,
-    }
-    usable = [("training_file", req.training_file)]
+        data={"auto": settled.reasons} if settled.reasons else None,
+    )
+    files = {"training_file": req.training_file}
     if req.validation_file:
-        usable.append(("validation_file", req.validation_file))
-    conn = session.connection()
-    postgres = conn.dialect.name == "postgresql"
-    params = {f"job_{k}": v for k, v in values.items()}
-    params.update({f"event_{k}": v for k, v in event.items()})
-    params.update({f"file_{param}": file_id for param, file_id in usable})
-    params["waiting_cap"] = principal.max_waiting_jobs
-    inserted = conn.execute(_create_statement(postgres, len(usable)), params).first() is not None
-    if inserted and not postgres:
-        conn.execute(_create_statement(False, 0), params)
-    if not inserted:
-        for param, file_id in usable:
+        files["validation_file"] = req.validation_file
+    stored = insert_job(session, job, event, files=files, waiting_cap=principal.max_waiting_jobs)
+    if stored is None:
+        for param, file_id in files.items():
             _explain_unusable(session, principal, file_id, param)
         _explain_waiting(session, principal)
         raise AssertionError("unreachable: the job was insertable but not inserted")
-    # A detached copy for the response (the attribute behind column "metadata" is
-    # ``metadata_``: ``metadata`` is reserved on declarative classes).
-    return Job(**{k: v for k, v in values.items() if k != "metadata"}, metadata_=values["metadata"])
+    return stored
 
 
 def get_job(session: Session, principal: Principal, job_id: str) -> Job:
@@ -522,9 +432,6 @@ def get_job(session: Session, principal: Principal, job_id: str) -> Job:
     return job
 
 
-# A job's columns under their attribute names: lists select these rather than loading
-# ORM objects, which cost more than the query; ``job_view`` reads either.
-JOB_COLUMNS = tuple(getattr(Job, attr.key) for attr in Job.__mapper__.column_attrs)
 _REQUEST_FIELDS = frozenset(JobCreateRequest.model_fields)
 
 

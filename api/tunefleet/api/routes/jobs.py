@@ -63,14 +63,14 @@ async def create(
         ),
     ] = None,
 ) -> FastJSONResponse:
-    def existing() -> Job | None:
+    def existing() -> Row[Any] | None:
         if idempotency_key is None:
             return None
-        return session.scalar(
-            select(Job).where(
+        return session.execute(
+            select(*JOB_COLUMNS).where(
                 Job.tenant_id == principal.tenant_id, Job.idempotency_key == idempotency_key
             )
-        )
+        ).first()
 
     # Insert first, look up on conflict: a first attempt (the common case) costs no extra
     # query, and the unique index settles concurrent retries.
