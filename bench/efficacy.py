@@ -119,8 +119,8 @@ class Platform:
         its id, what it settled on, its training time and loss."""
         from sqlalchemy import select
 
+        from tunefleet.platform._defaults import base_learning_rate
         from tunefleet.platform.db import Job, JobEvent, session_scope
-        from tunefleet.platform.defaults import base_learning_rate
         from tunefleet.platform.jobs import JobCreateRequest, create_job
         from tunefleet.platform.models import BUILTIN_MODEL, ModelRegistry
         from tunefleet.platform.planner import PlanDevice

@@ -126,8 +126,8 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tunefleet.workers.train.loop import make_optimizer, precision_context
-    from tunefleet.workers.train.methods import build_model
+    from tunefleet.workers.train._loop import make_optimizer, precision_context
+    from tunefleet.workers.train._methods import build_model
 
     spec = case_spec(case)
     autocast = precision_context(spec, "cpu")
@@ -208,8 +208,8 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
 def measure_each(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``measure`` for each case, each in a child forked from this process once it has
     imported the loop's libraries: a fresh heap per case without paying the imports again."""
-    import tunefleet.workers.train.loop
-    import tunefleet.workers.train.methods  # noqa: F401
+    import tunefleet.workers.train._loop
+    import tunefleet.workers.train._methods  # noqa: F401
 
     rows = []
     for case in cases:

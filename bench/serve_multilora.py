@@ -49,11 +49,11 @@ from tinyllm import save_random_lora  # noqa: E402
 from tunefleet.platform.models import BUILTIN_MODEL, ModelRegistry  # noqa: E402
 from tunefleet.platform.settings import get_settings  # noqa: E402
 from tunefleet.workers.model_registry import prepare_builtin  # noqa: E402
-from tunefleet.workers.serve.adapter_cache import AdapterCache  # noqa: E402
-from tunefleet.workers.serve.adapters import load_serving_base  # noqa: E402
-from tunefleet.workers.serve.engine import BatchEngine, generate_all  # noqa: E402
-from tunefleet.workers.serve.generate import Sampling  # noqa: E402
-from tunefleet.workers.serve.multilora import MultiLoraModel  # noqa: E402
+from tunefleet.workers.serve._adapter_cache import AdapterCache  # noqa: E402
+from tunefleet.workers.serve._adapters import load_serving_base  # noqa: E402
+from tunefleet.workers.serve._engine import BatchEngine, generate_all  # noqa: E402
+from tunefleet.workers.serve._generate import Sampling  # noqa: E402
+from tunefleet.workers.serve._multilora import MultiLoraModel  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

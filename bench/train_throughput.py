@@ -291,7 +291,7 @@ def main() -> None:
     from tunefleet.platform.models import ModelRegistry
     from tunefleet.platform.settings import get_settings
     from tunefleet.workers.model_registry import prepare_builtin
-    from tunefleet.workers.train.metrics import measure_cpu_peak
+    from tunefleet.workers.train._metrics import measure_cpu_peak
 
     model_path = prepare_builtin(ModelRegistry(get_settings().resolved_model_registry))
     data = Path(tempfile.mkdtemp(prefix="tf-bench-data-")) / "varied.jsonl"

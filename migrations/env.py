@@ -6,8 +6,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import pool, text
 
-from tunefleet.platform.db import Base
-from tunefleet.platform.db.session import get_engine
+from tunefleet.platform.db import Base, get_engine
 from tunefleet.platform.settings import get_settings
 
 config = context.config

@@ -141,7 +141,7 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     journal mode would take an exclusive lock that concurrent first connections lose."""
     import sqlite3
 
-    from tunefleet.platform.db.session import get_engine
+    from tunefleet.platform.db._session import get_engine
 
     path = tmp_path_factory.mktemp("template") / "migrated.db"
     upgrade(f"sqlite:///{path}")
@@ -221,7 +221,7 @@ def settings(tmp_path: Path, migrated_url: str, tiny_registry: Path) -> Settings
 
 @pytest.fixture
 def live_server(settings: Settings) -> Iterator[Callable[..., str]]:
-    """Start the real app under uvicorn in a background thread, as ``tunefleet.cli.stack``
+    """Start the real app under uvicorn in a background thread, as ``tunefleet.cli._stack``
     runs it, on a free 127.0.0.1 port, and return its base URL: ``live_server()`` serves
     ``create_app(settings)``, ``live_server(app)`` another app. Each call starts another
     server with its own event loop (like another uvicorn worker on the same database).

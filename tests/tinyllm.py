@@ -49,8 +49,8 @@ HIDDEN = 64  # the tiny models' width
 def multiplier_for(rate: float, method: str = "lora") -> float:
     """The ``learning_rate_multiplier`` that trains a tiny model at ``rate`` with
     ``method``: a multiplier scales a base rate that follows the model's width
-    (``platform/defaults.py``), so a test that needs a given rate names the rate."""
-    from tunefleet.platform.defaults import base_learning_rate
+    (``platform/_defaults.py``), so a test that needs a given rate names the rate."""
+    from tunefleet.platform._defaults import base_learning_rate
 
     return rate / base_learning_rate(method, {"hidden_size": HIDDEN})[0]
 

@@ -1,5 +1,5 @@
 """Request bodies are authenticated before they are read and bounded while they are read
-(``tunefleet.api.body_limits``): a chunked upload or JSON body over its limit is stopped
+(``tunefleet.api._body_limits``): a chunked upload or JSON body over its limit is stopped
 with 413 once the limit is passed, not after it was read whole; a request without a valid
 key is a 401 before a byte of its body is pulled. Bodies here are generators that count
 what the app pulled from them, sent without ``content-length`` (chunked) unless a test
@@ -20,7 +20,7 @@ import pytest
 from conftest import CHAT, TINY
 from conftest import auth as H
 from tunefleet.api import create_app
-from tunefleet.api.body_limits import MULTIPART_ALLOWANCE
+from tunefleet.api._body_limits import MULTIPART_ALLOWANCE
 from tunefleet.platform.settings import Settings
 
 CHUNK = 64 * 1024

@@ -19,7 +19,7 @@ from sqlalchemy import select, update
 from conftest import CHAT, TINY, upload_chat
 from conftest import auth as H
 from tunefleet.api import create_app
-from tunefleet.api.errors import retry_headers
+from tunefleet.api._errors import retry_headers
 from tunefleet.platform.artifacts import artifact_store
 from tunefleet.platform.db import Adapter, AdapterShare, Checkpoint, Job, session_scope
 from tunefleet.platform.ids import new_id

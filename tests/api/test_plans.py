@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from conftest import TINY, upload_chat
 from conftest import auth as H
-from tunefleet.platform import defaults
+from tunefleet.platform import _defaults as defaults
 from tunefleet.platform.settings import Settings
 
 

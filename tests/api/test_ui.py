@@ -15,9 +15,11 @@ from sqlalchemy import select, update
 from conftest import auth as H
 from conftest import make_tenant, upload_chat
 from tunefleet.api import create_app
-from tunefleet.api.ui import charts, queries, usage
-from tunefleet.api.ui.cluster import fetch_cluster, parse_nodes
-from tunefleet.api.ui.render import CSP
+from tunefleet.api.ui import _charts as charts
+from tunefleet.api.ui import _queries as queries
+from tunefleet.api.ui import _usage as usage
+from tunefleet.api.ui._cluster import fetch_cluster, parse_nodes
+from tunefleet.api.ui._render import CSP
 from tunefleet.platform.db import ApiKey, JobEvent, Tenant, session_scope
 from tunefleet.platform.progress import record_metrics
 from tunefleet.platform.settings import Settings

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from raycluster import free_port
-from tunefleet.cli.demo import DATA
+from tunefleet.cli._demo import DATA
 from tunefleet.platform.models import BUILTIN_MODEL
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tunefleet.platform import defaults
+from tunefleet.platform import _defaults as defaults
 from tunefleet.platform.spec import BASE_LEARNING_RATE
 
 AUTO = {"n_epochs": "auto", "batch_size": "auto", "learning_rate_multiplier": "auto"}

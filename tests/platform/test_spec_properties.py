@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from tunefleet.platform.defaults import settle
+from tunefleet.platform._defaults import settle
 from tunefleet.platform.errors import InvalidRequest
 from tunefleet.platform.jobs import JobCreateRequest
 from tunefleet.platform.planner import GiB, resolve_spec

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from tunefleet.platform.settings import Settings
+from tunefleet.workers._run_channel import CLUSTER_ENV
 from tunefleet.workers.backend import RayBackend
-from tunefleet.workers.run_channel import CLUSTER_ENV
 
 
 class JobsApi:

@@ -22,9 +22,9 @@ from tunefleet.platform.scheduler import Node
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.status import JobStatus, transition
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
+from tunefleet.workers._run_channel import RunChannel
 from tunefleet.workers.backend import NOT_FOUND, SUCCEEDED, RunInfo
 from tunefleet.workers.controller import Controller
-from tunefleet.workers.run_channel import RunChannel
 
 
 class TwinBackend:

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tinyllm import save_random_lora
-from tunefleet.workers.serve.adapter_cache import AdapterCache
-from tunefleet.workers.serve.engine import BatchEngine, generate_all
-from tunefleet.workers.serve.generate import Finished, Sampling, TextStream, eos_ids
-from tunefleet.workers.serve.multilora import MultiLoraModel
-from tunefleet.workers.serve.structured import Grammars
+from tunefleet.workers.serve._adapter_cache import AdapterCache
+from tunefleet.workers.serve._engine import BatchEngine, generate_all
+from tunefleet.workers.serve._generate import Finished, Sampling, TextStream, eos_ids
+from tunefleet.workers.serve._multilora import MultiLoraModel
+from tunefleet.workers.serve._structured import Grammars
 
 TINY = "tiny-llama"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tunefleet.workers.train.loop import linear_schedule
+from tunefleet.workers.train._loop import linear_schedule
 
 
 @pytest.mark.parametrize(("warmup", "total"), [(0, 10), (3, 10), (10, 10), (1, 1)])
@@ -28,7 +28,7 @@ def test_the_schedule_is_transformers_linear_warmup_and_decay(warmup: int, total
 
 
 def test_mfu_counts_the_output_layer_at_labelled_positions_only() -> None:
-    from tunefleet.workers.train import metrics
+    from tunefleet.workers.train import _metrics as metrics
 
     # 1,000 tokens of which 100 labelled, 50 FLOPs a token of which 20 the output layer's:
     # 1,000 x 30 + 100 x 20 = 32,000 FLOPs in 2 s against a 32,000 FLOP/s peak

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tunefleet.platform.spec import JobSpec
+from tunefleet.workers.train._loss import LabelledLogits, correct_tokens, mean_loss
+from tunefleet.workers.train._methods import build_model
 from tunefleet.workers.train.data import IGNORE, Example, collate, collate_packed, pack
-from tunefleet.workers.train.loss import LabelledLogits, correct_tokens, mean_loss
-from tunefleet.workers.train.methods import build_model
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from tinyllm import save_random_lora
-from tunefleet.workers.serve.adapter_cache import AdapterCache, AdapterInUse, CacheFullError
-from tunefleet.workers.serve.adapters import AdapterError
-from tunefleet.workers.serve.engine import BatchEngine, generate_all
-from tunefleet.workers.serve.generate import Sampling, eos_ids
-from tunefleet.workers.serve.kvcache import GROW, BatchCache
-from tunefleet.workers.serve.multilora import MultiLoraModel
-from tunefleet.workers.serve.onednn import PackedLinear, pack_linear
+from tunefleet.workers.serve._adapter_cache import AdapterCache, AdapterInUse, CacheFullError
+from tunefleet.workers.serve._adapters import AdapterError
+from tunefleet.workers.serve._engine import BatchEngine, generate_all
+from tunefleet.workers.serve._generate import Sampling, eos_ids
+from tunefleet.workers.serve._kvcache import GROW, BatchCache
+from tunefleet.workers.serve._multilora import MultiLoraModel
+from tunefleet.workers.serve._onednn import PackedLinear, pack_linear
 
 TINY = "tiny-llama"
 GREEDY = Sampling(max_tokens=10, temperature=0)
@@ -240,8 +240,8 @@ def test_qlora_adapter_on_a_4bit_base_and_merged_into_its_dequantized_copy(
     de-quantized base (what merged mode does with a 4-bit base) it gives the same."""
     from peft import PeftModel
 
-    from tunefleet.workers.nf4 import dequantize_4bit_model
-    from tunefleet.workers.serve.adapters import load_serving_base
+    from tunefleet.workers._nf4 import dequantize_4bit_model
+    from tunefleet.workers.serve._adapters import load_serving_base
 
     base = load_serving_base(setup["path"], "nf4")
     assert getattr(base, "is_loaded_in_4bit", False)
@@ -282,8 +282,8 @@ def test_a_4bit_base_dequantizes_into_the_weights_its_forward_multiplies_by(
     from torch import nn
     from transformers import AutoModelForCausalLM
 
-    from tunefleet.workers.nf4 import dequantize_4bit_model
-    from tunefleet.workers.serve.adapters import load_serving_base
+    from tunefleet.workers._nf4 import dequantize_4bit_model
+    from tunefleet.workers.serve._adapters import load_serving_base
 
     nf4 = load_serving_base(setup["path"], "nf4")
     layers = {n: m for n, m in nf4.named_modules() if isinstance(m, bnb.nn.Linear4bit)}

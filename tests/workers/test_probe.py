@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tunefleet.workers.train.probe import NoMicroBatchFits, search
+from tunefleet.workers.train._probe import NoMicroBatchFits, search
 
 
 def _device(limit: int) -> tuple[list[int], object]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tunefleet.platform.spec import JobSpec
-from tunefleet.workers.train.methods import build_model
+from tunefleet.workers.train._methods import build_model
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ from pydantic import BaseModel, Field
 
 from tinyllm import save_random_lora
 from tunefleet.platform.models import BUILTIN_MODEL
-from tunefleet.workers.serve.adapter_cache import AdapterCache
-from tunefleet.workers.serve.adapters import load_serving_base
-from tunefleet.workers.serve.engine import BatchEngine, generate_all
-from tunefleet.workers.serve.generate import Sampling, eos_ids
-from tunefleet.workers.serve.multilora import MultiLoraModel
-from tunefleet.workers.serve.structured import Grammars
+from tunefleet.workers.serve._adapter_cache import AdapterCache
+from tunefleet.workers.serve._adapters import load_serving_base
+from tunefleet.workers.serve._engine import BatchEngine, generate_all
+from tunefleet.workers.serve._generate import Sampling, eos_ids
+from tunefleet.workers.serve._multilora import MultiLoraModel
+from tunefleet.workers.serve._structured import Grammars
 
 pytestmark = pytest.mark.slow
 

@@ -37,7 +37,7 @@ from tunefleet.platform.spec import BASE_LEARNING_RATE
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
 from tunefleet.workers.backend import RayBackend
 from tunefleet.workers.controller import Controller
-from tunefleet.workers.train.metrics import native_cpu_dtype
+from tunefleet.workers.train._metrics import native_cpu_dtype
 
 pytestmark = pytest.mark.slow
 
@@ -271,7 +271,7 @@ def _check_merged(
     if method == "qlora":  # the 4-bit weights it trained on, as its forward de-quantizes them
         from transformers import BitsAndBytesConfig
 
-        from tunefleet.workers.nf4 import dequantize_4bit_model
+        from tunefleet.workers._nf4 import dequantize_4bit_model
 
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                    bnb_4bit_use_double_quant=True,

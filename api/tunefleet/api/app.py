@@ -11,10 +11,10 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import text
 
-from tunefleet.api.body_limits import BodyLimitMiddleware
-from tunefleet.api.errors import install_error_handlers
-from tunefleet.api.observe import RequestMetrics
-from tunefleet.api.openapi import Health, Readiness, ok, openapi_document
+from tunefleet.api._body_limits import BodyLimitMiddleware
+from tunefleet.api._errors import install_error_handlers
+from tunefleet.api._observe import RequestMetrics
+from tunefleet.api._openapi import Health, Readiness, ok, openapi_document
 from tunefleet.api.routes import admin, files, inference, jobs, models, plans
 from tunefleet.api.ui import install as install_dashboard
 from tunefleet.platform.db import session_scope

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tunefleet.cli.client import files_app, jobs_app
+from tunefleet.cli._client import files_app, jobs_app
 from tunefleet.platform.db import session_scope
 from tunefleet.platform.db.migrate import downgrade as db_downgrade
 from tunefleet.platform.db.migrate import upgrade as db_upgrade
@@ -34,7 +34,7 @@ def up(
     builtin_model: Annotated[bool, typer.Option(help="Prepare the built-in SmolLM2.")] = True,
 ) -> None:
     """Start everything on this machine: database, local Ray, controller, API, serving."""
-    from tunefleet.cli.stack import running_stack
+    from tunefleet.cli._stack import running_stack
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = get_settings()
@@ -149,7 +149,7 @@ def demo(
     ] = None,
 ) -> None:
     """Fine-tune the built-in model on the bundled dataset and compare answers."""
-    from tunefleet.cli.demo import run_demo
+    from tunefleet.cli._demo import run_demo
 
     run_demo(get_settings(), questions=questions)
 
@@ -170,7 +170,7 @@ def plan(
 
     from pydantic import ValidationError
 
-    from tunefleet.cli.plan_table import render
+    from tunefleet.cli._plan_table import render
     from tunefleet.platform.errors import TuneFleetError
     from tunefleet.platform.jobs import JobCreateRequest, dry_run
     from tunefleet.platform.planner import PlanDevice

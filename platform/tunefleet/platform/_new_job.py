@@ -26,7 +26,7 @@ from typing import Any, TypedDict
 from sqlalchemy import Executable, Row, and_, bindparam, exists, func, insert, select
 from sqlalchemy.orm import Session
 
-from tunefleet.platform.db.models import File, Job, JobEvent
+from tunefleet.platform.db import File, Job, JobEvent
 from tunefleet.platform.status import JobStatus
 
 # Jobs that wait to run, which a tenant's ``max_waiting_jobs`` caps.

@@ -26,11 +26,11 @@ from pydantic import (
 from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
+from tunefleet.platform._defaults import Settled, settle
 from tunefleet.platform._new_job import JOB_COLUMNS as JOB_COLUMNS  # re-exported
 from tunefleet.platform._new_job import WAITING as WAITING  # re-exported
 from tunefleet.platform._new_job import FirstEvent, NewJob, insert_job
-from tunefleet.platform.db.models import File, Job, JobEvent
-from tunefleet.platform.defaults import Settled, settle
+from tunefleet.platform.db import File, Job, JobEvent
 from tunefleet.platform.errors import InvalidRequest, NotFound, QuotaExceeded
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry

@@ -1,6 +1,6 @@
 """What a running job reports back: per-step metrics, checkpoints, the ETA.
 
-Reported by the run's rank 0 through its channel (``workers/run_channel.py``) and
+Reported by the run's rank 0 through its channel (``workers/_run_channel.py``) and
 written here by the controller (never the status: only the controller moves status).
 Metric events are OpenAI-shaped ``type="metrics"`` events whose ``data`` holds ``step``,
 ``total_steps``, ``train_loss`` and TuneFleet's throughput figures.
@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import case, update
 from sqlalchemy.orm import Session
 
-from tunefleet.platform.db.models import Checkpoint, Job, now_s
+from tunefleet.platform.db import Checkpoint, Job, now_s
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.status import JobStatus, add_event
 

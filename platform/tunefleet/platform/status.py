@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from tunefleet.platform.db.models import Job, JobEvent, now_s
+from tunefleet.platform.db import Job, JobEvent, now_s
 from tunefleet.platform.errors import Conflict
 from tunefleet.platform.ids import new_id
 

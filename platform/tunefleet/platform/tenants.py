@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tunefleet.platform.db.models import ApiKey, Job, Tenant, now_s
+from tunefleet.platform.db import ApiKey, Job, Tenant, now_s
 from tunefleet.platform.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.status import ACTIVE

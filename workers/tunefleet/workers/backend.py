@@ -20,7 +20,7 @@ from typing import Any
 from tunefleet.platform.scheduler import Node
 from tunefleet.platform.serving_contract import app_name, route_prefix, serve_secret
 from tunefleet.platform.settings import Settings
-from tunefleet.workers import run_channel
+from tunefleet.workers import _run_channel as run_channel
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class RayBackend:
         except RuntimeError as exc:
             log.warning("stopping %s: %s", submission_id, exc)
 
-    # -- run channels (workers/run_channel.py) -----------------------------------------
+    # -- run channels (workers/_run_channel.py) -----------------------------------------
     def open_channel(self, run_id: str, inputs: dict[str, Any]) -> None:
         run_channel.open_channel(run_id, inputs)
 

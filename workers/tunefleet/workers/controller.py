@@ -1,6 +1,6 @@
 """The controller: one loop that moves jobs through their life on Ray.
 
-Each pass: write what runs reported through their channels (``workers/run_channel.py``:
+Each pass: write what runs reported through their channels (``workers/_run_channel.py``:
 runs never touch the database) and tell them whether to stop, admit jobs whose files are
 validated (``validating_files -> queued``), follow running jobs to their end (retrying
 failed runs with backoff), let the scheduling policy

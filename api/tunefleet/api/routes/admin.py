@@ -8,8 +8,8 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
-from tunefleet.api.deps import PrincipalDep, SessionDep
-from tunefleet.api.openapi import (
+from tunefleet.api._deps import PrincipalDep, SessionDep
+from tunefleet.api._openapi import (
     AdapterList,
     AdapterServing,
     AdminJobList,

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Form, Query, UploadFile
 from fastapi.responses import StreamingResponse
 from sqlalchemy import delete, exists, or_, select
 
-from tunefleet.api.deps import PrincipalDep, SessionDep, SettingsDep, StoreDep
-from tunefleet.api.openapi import Deleted, FileList, FileObject, errors, ok
+from tunefleet.api._deps import PrincipalDep, SessionDep, SettingsDep, StoreDep
+from tunefleet.api._openapi import Deleted, FileList, FileObject, errors, ok
 from tunefleet.platform.datasets import raise_for_report, validate_file
 from tunefleet.platform.db import File, Job, now_s
 from tunefleet.platform.db.paging import ordered_after

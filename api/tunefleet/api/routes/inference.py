@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.orm import Session
 
-from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep, StoreDep
-from tunefleet.api.openapi import errors, ok
+from tunefleet.api._deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep, StoreDep
+from tunefleet.api._openapi import errors, ok
 from tunefleet.platform.artifacts import Store
 from tunefleet.platform.errors import InvalidRequest, NotFound, Unavailable
 from tunefleet.platform.models import ModelRegistry

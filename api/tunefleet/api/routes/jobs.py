@@ -9,7 +9,7 @@ from sqlalchemy import Row, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from tunefleet.api.deps import (
+from tunefleet.api._deps import (
     PrincipalDep,
     RegistryDep,
     SessionDep,
@@ -17,8 +17,8 @@ from tunefleet.api.deps import (
     StatementSessionDep,
     StoreDep,
 )
-from tunefleet.api.openapi import CheckpointList, EventList, JobList, JobObject, errors, ok
-from tunefleet.api.responses import FastJSONResponse
+from tunefleet.api._openapi import CheckpointList, EventList, JobList, JobObject, errors, ok
+from tunefleet.api._responses import FastJSONResponse
 from tunefleet.platform.db import Checkpoint, Job
 from tunefleet.platform.db.paging import ordered_after
 from tunefleet.platform.errors import NotFound, TuneFleetError

@@ -9,8 +9,8 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import delete
 
-from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, StoreDep
-from tunefleet.api.openapi import Deleted, ModelList, ModelObject, Shares, errors, ok
+from tunefleet.api._deps import PrincipalDep, RegistryDep, SessionDep, StoreDep
+from tunefleet.api._openapi import Deleted, ModelList, ModelObject, Shares, errors, ok
 from tunefleet.platform.db import Adapter, Tenant
 from tunefleet.platform.errors import Forbidden, NotFound
 from tunefleet.platform.models import ModelRegistry

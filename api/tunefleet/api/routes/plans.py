@@ -11,8 +11,8 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import Field
 
-from tunefleet.api.deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep
-from tunefleet.api.openapi import Plan, ok
+from tunefleet.api._deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep
+from tunefleet.api._openapi import Plan, ok
 from tunefleet.platform.jobs import JobCreateRequest, dry_run, training_examples
 from tunefleet.platform.planner import PlanDevice
 

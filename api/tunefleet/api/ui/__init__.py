@@ -12,8 +12,13 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from tunefleet.api.ui import actions, adapters, admin, pages, planning, playground
-from tunefleet.api.ui.render import PREFIX, STATIC_DIR, SecurityHeaders
+from tunefleet.api.ui import _actions as actions
+from tunefleet.api.ui import _adapters as adapters
+from tunefleet.api.ui import _admin as admin
+from tunefleet.api.ui import _pages as pages
+from tunefleet.api.ui import _planning as planning
+from tunefleet.api.ui import _playground as playground
+from tunefleet.api.ui._render import PREFIX, STATIC_DIR, SecurityHeaders
 
 
 def install(app: FastAPI) -> None:

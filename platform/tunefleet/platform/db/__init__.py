@@ -1,6 +1,8 @@
-"""Database models and sessions."""
+"""The database: its tables (``_models``) and its engines and sessions (``_session``),
+re-exported here. ``migrate`` (Alembic upgrades) and ``paging`` (cursor paging) are its
+public modules."""
 
-from tunefleet.platform.db.models import (
+from tunefleet.platform.db._models import (
     Adapter,
     AdapterShare,
     ApiKey,
@@ -14,7 +16,7 @@ from tunefleet.platform.db.models import (
     Tenant,
     now_s,
 )
-from tunefleet.platform.db.session import (
+from tunefleet.platform.db._session import (
     get_engine,
     session_factory,
     session_scope,

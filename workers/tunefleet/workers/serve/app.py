@@ -38,14 +38,14 @@ from tunefleet.platform.serving_contract import (
     replica_label_selector,
 )
 from tunefleet.platform.settings import get_settings
-from tunefleet.workers.serve.adapter_cache import AdapterCache, AdapterInUse, CacheFullError
-from tunefleet.workers.serve.adapters import AdapterError, load_serving_base, merge_into_copy
-from tunefleet.workers.serve.answer import Answer
-from tunefleet.workers.serve.engine import BatchEngine
-from tunefleet.workers.serve.generate import eos_ids
-from tunefleet.workers.serve.metrics import AdapterMetrics
-from tunefleet.workers.serve.multilora import MultiLoraModel
-from tunefleet.workers.serve.openai_api import (
+from tunefleet.workers.serve._adapter_cache import AdapterCache, AdapterInUse, CacheFullError
+from tunefleet.workers.serve._adapters import AdapterError, load_serving_base, merge_into_copy
+from tunefleet.workers.serve._answer import Answer
+from tunefleet.workers.serve._engine import BatchEngine
+from tunefleet.workers.serve._generate import eos_ids
+from tunefleet.workers.serve._metrics import AdapterMetrics
+from tunefleet.workers.serve._multilora import MultiLoraModel
+from tunefleet.workers.serve._openai_api import (
     MAX_ROWS_PER_REQUEST,
     ChatRequest,
     CompletionRequest,
@@ -55,8 +55,8 @@ from tunefleet.workers.serve.openai_api import (
     parse,
     unservable,
 )
-from tunefleet.workers.serve.responses import Responses
-from tunefleet.workers.serve.structured import GrammarError, Grammars
+from tunefleet.workers.serve._responses import Responses
+from tunefleet.workers.serve._structured import GrammarError, Grammars
 
 log = logging.getLogger("tunefleet.serve")
 

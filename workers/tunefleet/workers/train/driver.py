@@ -1,7 +1,7 @@
 """Entry point of one run: ``python -m tunefleet.workers.train.driver JOB_ID``.
 
 Runs as a Ray job, with no access to the database: the run's channel
-(``workers/run_channel.py``, opened by the controller) hands it the job's spec exactly as
+(``workers/_run_channel.py``, opened by the controller) hands it the job's spec exactly as
 the API stored it, and carries what it has to say back. It builds a Ray Train
 ``TorchTrainer`` from the spec, and on success copies the final adapter into the artifact
 store. Any failure is reported as an error event before the process exits non-zero; the
@@ -22,7 +22,7 @@ from tunefleet.platform.artifacts import Store, artifact_store
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.settings import get_settings
 from tunefleet.platform.spec import JobSpec
-from tunefleet.workers.run_channel import CLUSTER_ENV, ChannelReporter, run_inputs
+from tunefleet.workers._run_channel import CLUSTER_ENV, ChannelReporter, run_inputs
 
 log = logging.getLogger("tunefleet.driver")
 
@@ -60,7 +60,7 @@ def _trainer_class() -> Any:
 def train_fn(config: dict[str, Any]) -> None:
     """What each Ray Train worker runs: the loop, imported there, so that the driver does
     not import what only the workers need (transformers, peft, the loop's modules)."""
-    from tunefleet.workers.train.loop import train_loop_per_worker
+    from tunefleet.workers.train._loop import train_loop_per_worker
 
     train_loop_per_worker(config)
 
@@ -172,7 +172,7 @@ def run(job_id: str, run_id: str) -> None:
         return
     if result.checkpoint is None:
         raise RuntimeError("training finished without a final checkpoint")
-    from tunefleet.workers.train.checkpoint import ADAPTER_DIR
+    from tunefleet.workers.train._checkpoint import ADAPTER_DIR
 
     with result.checkpoint.as_directory() as folder:
         store.put_dir(store.adapter_key(job_id), Path(folder) / ADAPTER_DIR)
@@ -188,7 +188,7 @@ def store_merged(spec: JobSpec, model_path: str, store: Store, reporter: Channel
 
     from transformers import AutoTokenizer
 
-    from tunefleet.workers.train.methods import merged_model
+    from tunefleet.workers.train._methods import merged_model
 
     key = store.merged_key(spec.job_id)
     model = merged_model(spec, model_path, store.local_copy(store.adapter_key(spec.job_id)))

@@ -18,7 +18,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoes
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tunefleet.api.ui.session import CSRF_FIELD, CSRF_HEADER, SignInRequired, read_session
+from tunefleet.api.ui._session import CSRF_FIELD, CSRF_HEADER, SignInRequired, read_session
 from tunefleet.platform.errors import TuneFleetError
 
 HERE = Path(__file__).parent

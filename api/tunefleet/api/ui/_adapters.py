@@ -16,11 +16,11 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from tunefleet.api.deps import SessionDep, SettingsDep
-from tunefleet.api.ui.cluster import fetch_cluster
-from tunefleet.api.ui.render import PREFIX, UiRoute, page
-from tunefleet.api.ui.session import CsrfDep, Viewer, ViewerDep
-from tunefleet.api.ui.usage import UsageView, fetch_usage
+from tunefleet.api._deps import SessionDep, SettingsDep
+from tunefleet.api.ui._cluster import fetch_cluster
+from tunefleet.api.ui._render import PREFIX, UiRoute, page
+from tunefleet.api.ui._session import CsrfDep, Viewer, ViewerDep
+from tunefleet.api.ui._usage import UsageView, fetch_usage
 from tunefleet.platform.db import Adapter, Tenant
 from tunefleet.platform.errors import Forbidden, InvalidRequest, TuneFleetError
 from tunefleet.platform.serving import (

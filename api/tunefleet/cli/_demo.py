@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from tunefleet.cli.client import follow
-from tunefleet.cli.stack import running_stack
+from tunefleet.cli._client import follow
+from tunefleet.cli._stack import running_stack
 from tunefleet.platform.db import session_scope
 from tunefleet.platform.models import BUILTIN_MODEL
 from tunefleet.platform.settings import Settings

@@ -13,7 +13,7 @@ calls that read each row's factors in place (the BGMV kernel of Punica, on the C
 embedding kernels); for a prefill (many tokens per row) as a gather and two batched
 matrix products. A batch whose rows all use one adapter takes two plain matrix products.
 
-:class:`~tunefleet.workers.serve.adapter_cache.AdapterCache` decides what holds a slot;
+:class:`~tunefleet.workers.serve._adapter_cache.AdapterCache` decides what holds a slot;
 ``adapters`` reads adapter folders and the base; ``onednn`` packs the base's frozen
 linear layers.
 """
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tunefleet.workers.serve.adapters import AdapterError
-from tunefleet.workers.serve.onednn import PackedLinear, pack_linear
+from tunefleet.workers.serve._adapters import AdapterError
+from tunefleet.workers.serve._onednn import PackedLinear, pack_linear
 
 
 @dataclass

@@ -12,10 +12,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 from pydantic import ValidationError
 
-from tunefleet.api.deps import RegistryDep, SettingsDep
-from tunefleet.api.ui import charts
-from tunefleet.api.ui.render import UiRoute, page
-from tunefleet.api.ui.session import ViewerDep
+from tunefleet.api._deps import RegistryDep, SettingsDep
+from tunefleet.api.ui import _charts as charts
+from tunefleet.api.ui._render import UiRoute, page
+from tunefleet.api.ui._session import ViewerDep
 from tunefleet.platform.errors import TuneFleetError
 from tunefleet.platform.jobs import JobCreateRequest, dry_run
 from tunefleet.platform.planner import HEADROOM, PlanDevice

@@ -10,10 +10,10 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Form, Request, Response
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from tunefleet.api.deps import SessionDep
-from tunefleet.api.ui import queries
-from tunefleet.api.ui.render import PREFIX, UiRoute, page, safe_next
-from tunefleet.api.ui.session import (
+from tunefleet.api._deps import SessionDep
+from tunefleet.api.ui import _queries as queries
+from tunefleet.api.ui._render import PREFIX, UiRoute, page, safe_next
+from tunefleet.api.ui._session import (
     CsrfDep,
     SignInCsrfDep,
     UiSession,

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tunefleet.platform.artifacts import METHOD_FILE
-from tunefleet.workers.nf4 import dequantize_4bit_model, load_4bit
+from tunefleet.workers._nf4 import dequantize_4bit_model, load_4bit
 
 _PEFT_PREFIX = "base_model.model."
 

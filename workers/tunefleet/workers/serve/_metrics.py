@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from tunefleet.workers.serve.generate import Finished
+from tunefleet.workers.serve._generate import Finished
 
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 

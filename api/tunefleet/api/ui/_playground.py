@@ -14,10 +14,10 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tunefleet.api.deps import RegistryDep, SessionDep, SettingsDep, StoreDep
+from tunefleet.api._deps import RegistryDep, SessionDep, SettingsDep, StoreDep
 from tunefleet.api.routes.inference import forward
-from tunefleet.api.ui.render import UiRoute, page
-from tunefleet.api.ui.session import CsrfDep, ViewerDep
+from tunefleet.api.ui._render import UiRoute, page
+from tunefleet.api.ui._session import CsrfDep, ViewerDep
 from tunefleet.platform.errors import TuneFleetError
 from tunefleet.platform.serving import visible_adapters
 

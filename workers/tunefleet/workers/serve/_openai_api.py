@@ -15,8 +15,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tunefleet.workers.serve.adapters import AdapterError
-from tunefleet.workers.serve.generate import Sampling
+from tunefleet.workers.serve._adapters import AdapterError
+from tunefleet.workers.serve._generate import Sampling
 
 # Bounds on what one request may cost a replica (every other tenant's rows share its batch).
 MAX_ROWS_PER_REQUEST = 128  # prompts x n (OpenAI's n is at most 128)

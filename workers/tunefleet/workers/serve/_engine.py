@@ -25,16 +25,16 @@ from typing import Any
 
 import torch
 
-from tunefleet.workers.serve.generate import (
+from tunefleet.workers.serve._generate import (
     Finished,
     Sampling,
     TextStream,
     TokenLogprob,
     pick_token,
 )
-from tunefleet.workers.serve.kvcache import BatchCache
-from tunefleet.workers.serve.multilora import MultiLoraModel
-from tunefleet.workers.serve.structured import Grammars, fill_masks
+from tunefleet.workers.serve._kvcache import BatchCache
+from tunefleet.workers.serve._multilora import MultiLoraModel
+from tunefleet.workers.serve._structured import Grammars, fill_masks
 
 # Padding allowed in a prefill group, as a share of its real prompt tokens.
 PREFILL_PADDING = 0.15

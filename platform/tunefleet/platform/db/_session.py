@@ -58,7 +58,7 @@ def session_factory(url: str) -> sessionmaker[Session]:
 @lru_cache(maxsize=8)
 def single_statement_sessions(url: str) -> sessionmaker[Session]:
     """Sessions for requests that only read, or write with a single statement (job
-    creation, see ``jobs.create_job``). On PostgreSQL they run in autocommit: each statement
+    creation, see ``platform/_new_job.py``). On PostgreSQL they run in autocommit: each statement
     is its own transaction, with no BEGIN, COMMIT or ROLLBACK round trip, and those round
     trips were most of a job creation's time on the API's event loop. SQLite keeps
     transactions: its statements cost no round trip, and a write there may take several."""

@@ -8,8 +8,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tunefleet.workers.serve.engine import BatchEngine
-from tunefleet.workers.serve.generate import Finished, Sampling, TextStream, TokenLogprob
+from tunefleet.workers.serve._engine import BatchEngine
+from tunefleet.workers.serve._generate import Finished, Sampling, TextStream, TokenLogprob
 
 
 class Answer:

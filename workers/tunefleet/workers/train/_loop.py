@@ -6,7 +6,7 @@ bottom.
 zero; then ``Worker.train`` runs the steps, with metrics to the platform, checkpoints at
 epoch ends (and every N steps), a stop when the controller asks, and the final adapter as
 the last reported checkpoint. Every worker runs it; rank 0 alone reports to the platform
-(through the run's channel, ``workers/run_channel.py``) and reports checkpoints to Ray
+(through the run's channel, ``workers/_run_channel.py``) and reports checkpoints to Ray
 Train.
 """
 
@@ -33,10 +33,13 @@ from transformers import AutoTokenizer
 from tunefleet.platform.artifacts import Keys, open_store
 from tunefleet.platform.settings import get_settings
 from tunefleet.platform.spec import JobSpec
-from tunefleet.workers.run_channel import ChannelReporter
-from tunefleet.workers.train import checkpoint as ckpt_files
-from tunefleet.workers.train import metrics as train_metrics
-from tunefleet.workers.train import probe, sharding
+from tunefleet.workers._run_channel import ChannelReporter
+from tunefleet.workers.train import _checkpoint as ckpt_files
+from tunefleet.workers.train import _metrics as train_metrics
+from tunefleet.workers.train import _probe as probe
+from tunefleet.workers.train import _sharding as sharding
+from tunefleet.workers.train._loss import LabelledLogits, correct_tokens, mean_loss
+from tunefleet.workers.train._methods import build_model
 from tunefleet.workers.train.data import (
     collate,
     collate_packed,
@@ -44,8 +47,6 @@ from tunefleet.workers.train.data import (
     load_dataset,
     pack,
 )
-from tunefleet.workers.train.loss import LabelledLogits, correct_tokens, mean_loss
-from tunefleet.workers.train.methods import build_model
 
 # How long the chief waits at a checkpoint for the controller to write its reports (the
 # database may be away a while); then it checkpoints anyway.

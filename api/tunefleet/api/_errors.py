@@ -36,7 +36,7 @@ def retry_headers(status: int, headers: Mapping[str, str] | None = None) -> dict
 
 
 class RequestTooLarge(HTTPException):
-    """413, raised while a request body is read (``tunefleet.api.body_limits``). A starlette
+    """413, raised while a request body is read (``tunefleet.api._body_limits``). A starlette
     ``HTTPException`` because FastAPI lets those through its body parsing, where any other
     exception becomes a 400 "There was an error parsing the body"."""
 

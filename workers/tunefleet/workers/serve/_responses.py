@@ -8,10 +8,10 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tunefleet.workers.serve.answer import Answer
-from tunefleet.workers.serve.generate import Finished, TokenLogprob
-from tunefleet.workers.serve.openai_api import CompletionRequest, GenerationRequest
-from tunefleet.workers.serve.structured import Grammars
+from tunefleet.workers.serve._answer import Answer
+from tunefleet.workers.serve._generate import Finished, TokenLogprob
+from tunefleet.workers.serve._openai_api import CompletionRequest, GenerationRequest
+from tunefleet.workers.serve._structured import Grammars
 
 
 class Responses:

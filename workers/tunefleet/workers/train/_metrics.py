@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tunefleet.workers.train import probe
+from tunefleet.workers.train import _probe as probe
 
 # Dense bf16/fp16 tensor-core peak FLOP/s of common training GPUs (vendor data sheets,
 # without sparsity), matched against torch.cuda.get_device_name().

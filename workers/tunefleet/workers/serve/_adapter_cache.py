@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from tunefleet.workers.serve.adapters import factors, read_adapter
-from tunefleet.workers.serve.multilora import MultiLoraModel
+from tunefleet.workers.serve._adapters import factors, read_adapter
+from tunefleet.workers.serve._multilora import MultiLoraModel
 
 
 class CacheFullError(RuntimeError):

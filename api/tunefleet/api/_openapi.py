@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from tunefleet.api.errors import NOT_RETRYABLE
+from tunefleet.api._errors import NOT_RETRYABLE
 from tunefleet.platform.status import JobStatus
 
 

@@ -15,10 +15,10 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from tunefleet.api.deps import SessionDep
+from tunefleet.api._deps import SessionDep
 from tunefleet.api.routes.admin import KeyCreate, TenantCreate, TenantUpdate
-from tunefleet.api.ui.render import PREFIX, UiRoute, page
-from tunefleet.api.ui.session import CsrfDep, Viewer, ViewerDep
+from tunefleet.api.ui._render import PREFIX, UiRoute, page
+from tunefleet.api.ui._session import CsrfDep, Viewer, ViewerDep
 from tunefleet.platform.db import ApiKey, Tenant
 from tunefleet.platform.errors import Forbidden, TuneFleetError
 from tunefleet.platform.tenants import (

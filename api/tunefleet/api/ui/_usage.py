@@ -1,5 +1,5 @@
 """How adapters are being served, from the metrics Serve replicas export per adapter
-(``workers/serve/metrics.py``) through Ray's metrics agent on each node (Prometheus text on
+(``workers/serve/_metrics.py``) through Ray's metrics agent on each node (Prometheus text on
 the node's metrics export port, names prefixed ``ray_``, counters suffixed ``_total``):
 requests, generated tokens, latency, and the replicas whose cache holds each adapter
 (loads minus evictions). Read over HTTP, like the cluster view; a node that does not
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tunefleet.api.ui.cluster import TIMEOUT_S, ClusterView
+from tunefleet.api.ui._cluster import TIMEOUT_S, ClusterView
 
 
 @dataclass

@@ -10,12 +10,13 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse
 from sqlalchemy.orm import Session
 
-from tunefleet.api.deps import RegistryDep, SessionDep, SettingsDep, StoreDep
-from tunefleet.api.ui import charts, queries
-from tunefleet.api.ui.cluster import fetch_cluster
-from tunefleet.api.ui.planning import memory_bars
-from tunefleet.api.ui.render import UiRoute, page
-from tunefleet.api.ui.session import Viewer, ViewerDep
+from tunefleet.api._deps import RegistryDep, SessionDep, SettingsDep, StoreDep
+from tunefleet.api.ui import _charts as charts
+from tunefleet.api.ui import _queries as queries
+from tunefleet.api.ui._cluster import fetch_cluster
+from tunefleet.api.ui._planning import memory_bars
+from tunefleet.api.ui._render import UiRoute, page
+from tunefleet.api.ui._session import Viewer, ViewerDep
 from tunefleet.platform.db import Job
 from tunefleet.platform.errors import InvalidRequest
 from tunefleet.platform.jobs import job_view, list_events

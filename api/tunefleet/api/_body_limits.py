@@ -28,8 +28,8 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tunefleet.api.deps import PRINCIPAL_SCOPE_KEY, principal_for
-from tunefleet.api.errors import (
+from tunefleet.api._deps import PRINCIPAL_SCOPE_KEY, principal_for
+from tunefleet.api._errors import (
     RequestTooLarge,
     database_unavailable_response,
     domain_error_response,

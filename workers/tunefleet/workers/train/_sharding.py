@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tunefleet.workers.train.methods import DTYPES, decoder_layers
+from tunefleet.workers.train._methods import DTYPES, decoder_layers
 
 RESHARD_AFTER_FORWARD = {"zero2": False, "zero3": True, "zero3_offload": True}
 

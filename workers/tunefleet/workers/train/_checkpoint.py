@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from tunefleet.platform.artifacts import Keys
 from tunefleet.platform.spec import JobSpec
-from tunefleet.workers.train.methods import BuiltModel, load_weights, save_weights
+from tunefleet.workers.train._methods import BuiltModel, load_weights, save_weights
 
 ADAPTER_DIR = Keys.CHECKPOINT_WEIGHTS  # serving reads a checkpoint's weights there too
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from tunefleet.platform.artifacts import METHOD_FILE
 from tunefleet.platform.spec import PEFT_METHODS, JobSpec
-from tunefleet.workers.nf4 import dequantize_4bit_model, load_4bit
+from tunefleet.workers._nf4 import dequantize_4bit_model, load_4bit
 
 TRAINABLE_FILE = "trainable.safetensors"
 
