@@ -152,3 +152,60 @@ def test_concurrent_retries_with_one_idempotency_key_make_one_job(
         stored = [(j.id, j.idempotency_key) for j in s.scalars(select(Job))]
         assert stored == [(job_id, "same")]
         assert list(s.scalars(select(JobEvent.job_id))) == [job_id]
+
+
+def test_admin_adds_lists_and_deletes_webhook_endpoints_and_reads_their_log(
+    app_client: TestClient, settings: Settings, key_a: str
+) -> None:
+    admin = admin_key(settings)
+    tenants = app_client.get("/v1/admin/tenants", headers=H(admin)).json()["data"]
+    tenant_a = next(t["id"] for t in tenants if t["name"] == "tenant-a")
+    path = f"/v1/admin/tenants/{tenant_a}/webhooks"
+
+    refused = app_client.post(path, headers=H(key_a), json={"url": "https://a.example"})
+    assert refused.status_code == 403  # a tenant's own key is not enough
+    bad = app_client.post(path, headers=H(admin), json={"url": "file:///etc/passwd"})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "url"
+    assert "'file:///etc/passwd' is not an http(s) URL" in bad.json()["error"]["message"]
+    unknown = app_client.post(
+        path, headers=H(admin), json={"url": "https://a.example", "events": ["job.done"]}
+    )
+    assert unknown.status_code == 400 and "['job.done']" in unknown.json()["error"]["message"]
+    nowhere = app_client.post(
+        "/v1/admin/tenants/tenant-nope/webhooks", headers=H(admin), json={"url": "https://a.b"}
+    )
+    assert nowhere.status_code == 404
+
+    made = app_client.post(
+        path,
+        headers=H(admin),
+        json={"url": "https://a.example/hook", "events": ["fine_tuning.job.cancelled"]},
+    ).json()
+    assert made["secret"].startswith("whsec_") and made["events"] == ["fine_tuning.job.cancelled"]
+    listed = app_client.get(path, headers=H(admin)).json()["data"]
+    assert [e["id"] for e in listed] == [made["id"]]
+    assert "secret" not in listed[0]  # shown once, at creation
+
+    # A job of tenant A cancelled: its delivery is in the endpoint's log, pending.
+    f = upload_chat(app_client, key_a)
+    job = app_client.post(
+        "/v1/fine_tuning/jobs",
+        headers=H(key_a),
+        json={"model": "tiny-llama", "training_file": f["id"]},
+    ).json()
+    app_client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel", headers=H(key_a))
+    log = app_client.get(f"/v1/admin/webhooks/{made['id']}/deliveries", headers=H(admin)).json()
+    [delivery] = log["data"]
+    assert (delivery["type"], delivery["job_id"], delivery["status"], delivery["attempts"]) == (
+        "fine_tuning.job.cancelled",
+        job["id"],
+        "pending",
+        0,
+    )
+
+    gone = app_client.delete(f"/v1/admin/webhooks/{made['id']}", headers=H(admin)).json()
+    assert gone == {"id": made["id"], "object": "webhook_endpoint", "deleted": True}
+    assert app_client.get(path, headers=H(admin)).json()["data"] == []
+    again = app_client.get(f"/v1/admin/webhooks/{made['id']}/deliveries", headers=H(admin))
+    assert again.status_code == 404 and made["id"] in again.json()["error"]["message"]

@@ -99,3 +99,43 @@ def test_plan_prints_the_chart_and_refuses_bad_input_without_a_trace(tmp_path: P
     assert "Traceback" not in unknown.output
     offload = runner.invoke(app, [*args, "--options", '{"strategy": "zero3_offload"}'])
     assert offload.exit_code == 2 and "needs GPU workers" in offload.output
+
+
+def test_admin_webhook_commands(
+    settings: Settings, key_a: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tunefleet.platform.settings import get_settings
+
+    monkeypatch.setenv("TUNEFLEET_DATABASE_URL", settings.resolved_database_url)
+    get_settings.cache_clear()
+    runner = CliRunner()
+    try:
+        made = runner.invoke(
+            app,
+            ["admin", "create-webhook", "tenant-a", "https://a.example/hook",
+             "--event", "fine_tuning.job.failed", "--description", "pager"],
+        )  # fmt: skip
+        assert made.exit_code == 0, made.output
+        endpoint = json.loads(made.output)
+        assert endpoint["secret"].startswith("whsec_")
+        assert endpoint["events"] == ["fine_tuning.job.failed"]
+        listed = runner.invoke(app, ["admin", "list-webhooks", "tenant-a"])
+        assert [json.loads(line)["id"] for line in listed.output.splitlines()] == [endpoint["id"]]
+        assert "whsec_" not in listed.output
+        log = runner.invoke(app, ["admin", "webhook-deliveries", endpoint["id"]])
+        assert log.exit_code == 0 and log.output == ""
+
+        bad = runner.invoke(app, ["admin", "create-webhook", "tenant-a", "ftp://x"])
+        assert bad.exit_code == 2 and "'ftp://x' is not an http(s) URL" in bad.output
+        assert "Traceback" not in bad.output
+        nobody = runner.invoke(app, ["admin", "create-webhook", "nobody", "https://a.example"])
+        assert nobody.exit_code == 2 and "no tenant 'nobody'" in nobody.output
+
+        gone = runner.invoke(app, ["admin", "delete-webhook", endpoint["id"]])
+        assert gone.exit_code == 0 and json.loads(gone.output)["deleted"] is True
+        again = runner.invoke(app, ["admin", "delete-webhook", endpoint["id"]])
+        assert again.exit_code == 2 and f"no webhook endpoint with id {endpoint['id']!r}" in (
+            again.output
+        )
+    finally:
+        get_settings.cache_clear()

@@ -40,7 +40,7 @@ def test_upload_create_get_list_cancel(app_client: TestClient, key_a: str) -> No
         "training_file": f["id"],
         "suffix": "demo",
         "metadata": {"team": "x"},
-        "integrations": [{"type": "wandb"}],
+        "integrations": [{"type": "wandb", "wandb": {"project": "demo"}}],
         "tunefleet": {"lora": {"r": 4}, "max_steps": 3},
     }
     resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body)
@@ -54,7 +54,7 @@ def test_upload_create_get_list_cancel(app_client: TestClient, key_a: str) -> No
         "learning_rate_multiplier": 1.0,
     }
     assert job["tunefleet"]["lora"]["r"] == 4
-    assert job["integrations"] == [{"type": "wandb"}]  # accepted and recorded
+    assert job["integrations"] == [{"type": "wandb", "wandb": {"project": "demo"}}]
     assert job["metadata"] == {"team": "x"}
     got = app_client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=H(key_a)).json()
     assert got == job
@@ -214,6 +214,31 @@ def test_out_of_bounds_numbers_are_a_400_naming_the_field(
     assert err["type"] == "invalid_request_error" and named in err["message"], err
     if param is not None:
         assert err["param"] == param, err
+    assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"] == []
+
+
+@pytest.mark.parametrize(
+    ("integrations", "named"),
+    [
+        ([{"type": "wandb"}], '{"type": "wandb", "wandb": {"project": "my-project"}}'),
+        ([{"type": "comet", "comet": {}}], "'wandb' or 'mlflow'"),
+        ([{"type": "wandb", "wandb": {"project": ""}}], "at least 1 character"),
+        ([{"type": "wandb", "wandb": {"project": "p", "tags": ["x" * 65]}}], "1-64 characters"),
+        ([{"type": "mlflow", "wandb": {"project": "p"}}], "takes a 'mlflow' object and no other"),
+        ([{"type": "mlflow", "mlflow": {"experiment": "x"}}], "experiment"),
+        ([{"type": "mlflow", "mlflow": {}}] * 6, "at most 5 items"),
+    ],
+    ids=["no-object", "unknown-type", "empty-project", "long-tag", "other-object", "typo", "six"],
+)
+def test_an_integration_refused_names_the_field_and_the_fix(
+    app_client: TestClient, key_a: str, integrations: list[Any], named: str
+) -> None:
+    f = upload(app_client, key_a, json.dumps(CHAT).encode())
+    body = {"model": TINY, "training_file": f["id"], "integrations": integrations}
+    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert named in err["message"] and (err["param"] or "").startswith("integrations"), err
     assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"] == []
 
 

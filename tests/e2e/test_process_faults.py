@@ -3,7 +3,8 @@ its own local Ray in one process) on PostgreSQL. The database server stops for 1
 a job trains, then `tunefleet up` is killed with SIGKILL mid-training (its Ray goes with
 it) and started again: the job continues from its newest checkpoint, succeeds exactly
 once, and its events and metrics are complete (a run waits at each checkpoint until what it
-reported is written, so no checkpoint is newer than the metrics on record)."""
+reported is written, so no checkpoint is newer than the metrics on record). The tenant's
+webhook endpoint, refusing until the restart, then gets each job's end once, signed."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import pytest
 from conftest import auth
 from pg import PgServer, postgres_server
 from raycluster import free_port, stop_process
+from webhook_receiver import Receiver
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +139,11 @@ def test_postgres_away_then_tunefleet_up_killed_mid_training_lose_nothing(
         "TUNEFLEET_RAY_DASHBOARD_PORT": str(free_port()),
         "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
         "TUNEFLEET_CONTROLLER_LEASE_TTL_S": "3",
+        # retries that go on past the kill and the restart (about 3 minutes in all)
+        "TUNEFLEET_WEBHOOK_RETRY_DELAYS_S": "[1, 2, 4, 8, 16, 32, 32, 32, 32, 32]",
     }
+    receiver = Receiver()
+    receiver.refusing = True
     log_path = tmp_path / "up.log"
     up = _up(env, log_path, 1)
     try:
@@ -145,6 +151,12 @@ def test_postgres_away_then_tunefleet_up_killed_mid_training_lose_nothing(
         printed = re.search(r"export OPENAI_API_KEY=(tf-\S+)", log_path.read_text())
         assert printed, log_path.read_text()
         client = httpx.Client(base_url=url, timeout=60, headers=auth(printed.group(1)))
+        tenants = client.get("/v1/admin/tenants").json()["data"]
+        default = next(t["id"] for t in tenants if t["name"] == "default")
+        hook = client.post(
+            f"/v1/admin/tenants/{default}/webhooks", json={"url": receiver.url}
+        ).json()
+        receiver.secret = hook["secret"]
         rows = [
             {
                 "messages": [
@@ -169,6 +181,12 @@ def test_postgres_away_then_tunefleet_up_killed_mid_training_lose_nothing(
             },
         ).json()["id"]
 
+        # A second job, cancelled at once: its webhook is refused until after the restart.
+        cancelled = client.post(
+            "/v1/fine_tuning/jobs", json={"model": TINY, "training_file": f["id"]}
+        ).json()["id"]
+        assert client.post(f"/v1/fine_tuning/jobs/{cancelled}/cancel").status_code == 200
+
         # The database server stops for 10 s while the job trains.
         before = _wait_step(client, job_id, 3)
         database.stop()
@@ -178,6 +196,7 @@ def test_postgres_away_then_tunefleet_up_killed_mid_training_lose_nothing(
 
         # Then `tunefleet up` dies mid-training, past at least one checkpoint.
         _wait_step(client, job_id, max(after, EVERY) + 3)
+        assert receiver.got, "no webhook attempt before the kill"
         up.send_signal(signal.SIGKILL)
         up.wait(30)
         folder = tmp_path / "artifacts" / "checkpoints" / job_id
@@ -189,6 +208,7 @@ def test_postgres_away_then_tunefleet_up_killed_mid_training_lose_nothing(
         leftovers = _embedded_ray_processes(tmp_path)
         assert leftovers, "nothing of the killed stack's Ray was left to stop"
         up = _up(env, log_path, 2)
+        receiver.refusing = False
         assert not any(p.is_running() for p in leftovers)
         assert re.search(
             r"stopped \d+ process\(es\) a previous embedded Ray left", log_path.read_text()
@@ -227,6 +247,26 @@ def test_postgres_away_then_tunefleet_up_killed_mid_training_lose_nothing(
         assert not [e for e in events if e["level"] == "error"], messages
         # and none failed: each driver reached its own cluster, not the other Ray
         assert not [m for m in messages if re.match(r"Ray job \S+ failed", m)], messages
+
+        # Each job's end reached the endpoint once, signed, the refused one after the
+        # restart (the outbox outlived the kill), with every refusal in its log.
+        deadline = time.monotonic() + 120
+        while len([g for g in receiver.got if g["status"] == 200]) < 2:
+            assert time.monotonic() < deadline, receiver.got
+            time.sleep(0.5)
+        assert all(g["valid"] for g in receiver.got), receiver.got
+        accepted = {g["body"]["data"]["id"]: g for g in receiver.got if g["status"] == 200}
+        assert {j: g["body"]["type"] for j, g in accepted.items()} == {
+            cancelled: "fine_tuning.job.cancelled",
+            job_id: "fine_tuning.job.succeeded",
+        }
+        ids = [g["headers"]["webhook-id"] for g in receiver.got if g["status"] == 200]
+        assert len(ids) == len(set(ids)) == 2
+        log = client.get(f"/v1/admin/webhooks/{hook['id']}/deliveries").json()["data"]
+        refused = next(d for d in log if d["job_id"] == cancelled)
+        assert refused["status"] == "delivered" and refused["attempts"] >= 2
+        assert [a["status_code"] for a in refused["log"]][:-1] == [503] * (refused["attempts"] - 1)
     finally:
+        receiver.stop()
         print(log_path.read_text()[-8000:])  # shown when the test fails
         stop_process(up, grace_s=60)

@@ -256,6 +256,13 @@ def test_gpu_groups_request_gpus_scale_from_zero_and_land_on_gpu_nodes() -> None
     cpu = groups["cpu"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in cpu["resources"]["limits"]
     assert not cpu["image"].endswith("-cuda")
+    # ray.extraEnv (an integration's credentials) on every Ray pod, from its Secret
+    wandb = {
+        "name": "WANDB_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}},
+    }
+    pods = [head["template"]["spec"], *(g["template"]["spec"] for g in groups.values())]
+    assert all(wandb in pod["containers"][0]["env"] for pod in pods)
 
 
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:

@@ -63,6 +63,8 @@ def values_for(annotation: Any) -> st.SearchStrategy[Any]:
         return st.one_of([values_for(a) for a in args])
     if origin is list:
         return st.lists(module_names | st.text(max_size=8), max_size=4)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]
+        return st.lists(values_for(args[0]), max_size=3)
     if origin is dict:
         return st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=20)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):

@@ -80,6 +80,10 @@ def ray_env(tmp_path_factory: pytest.TempPathFactory, ray_cluster: Any) -> Itera
         "TUNEFLEET_DATA_DIR": str(data),
         "TUNEFLEET_DATABASE_URL": url,
         "TUNEFLEET_MODEL_REGISTRY": str(data / "models"),
+        # the "tracked" run's W&B integration writes its run files here (the controller's
+        # environment says where: the driver passes it on to the run)
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(data / "wandb"),
     }.items():
         mp.setenv(key, value)
     get_settings.cache_clear()
@@ -104,9 +108,16 @@ def ray_env(tmp_path_factory: pytest.TempPathFactory, ray_cluster: Any) -> Itera
         get_settings.cache_clear()
 
 
-def _job(env: dict[str, Any], epochs: int, multiplier: float, tunefleet: dict[str, Any]) -> str:
+def _job(
+    env: dict[str, Any],
+    epochs: int,
+    multiplier: float,
+    tunefleet: dict[str, Any],
+    **more: Any,
+) -> str:
     """A job of ``epochs`` at ``multiplier`` times its method's ``BASE_LEARNING_RATE`` (the
-    rate these cases were tuned at, whatever base the tiny model's width gives the job)."""
+    rate these cases were tuned at, whatever base the tiny model's width gives the job),
+    with ``more`` top-level fields."""
     method = tunefleet.get("method", "lora")
     rate = multiplier * BASE_LEARNING_RATE[method]
     with session_scope(env["url"]) as s:
@@ -121,6 +132,7 @@ def _job(env: dict[str, Any], epochs: int, multiplier: float, tunefleet: dict[st
                     "learning_rate_multiplier": multiplier_for(rate, method),
                 },
                 "tunefleet": {"max_seq_len": 64, **tunefleet},
+                **more,
             }
         )
         registry = ModelRegistry(get_settings().resolved_model_registry)
@@ -164,6 +176,15 @@ FSDP_CASES = [  # (method, FSDP strategies compared with DDP, precision)
 ]
 
 
+def TRACKED(env: dict[str, Any]) -> list[dict[str, Any]]:
+    """The integrations of the "tracked" run: W&B (offline) and a local MLflow store."""
+    store = f"sqlite:///{env['data'] / 'mlflow.db'}"
+    return [
+        {"type": "wandb", "wandb": {"project": "tunefleet-tests", "tags": ["ci"]}},
+        {"type": "mlflow", "mlflow": {"tracking_uri": store, "experiment_name": "ci"}},
+    ]
+
+
 @pytest.fixture(scope="module")
 def runs(ray_env: dict[str, Any]) -> dict[str, tuple[str, BaseException | None]]:
     """Every job of this module that runs start to end undisturbed, run once for the module
@@ -179,6 +200,7 @@ def runs(ray_env: dict[str, Any]) -> dict[str, tuple[str, BaseException | None]]
     too_small = PlanDevice(memory_bytes=2.5 * 2**20, host_bytes=2**30)
     jobs["probed-too-small"] = _planned_job(ray_env, too_small)
     jobs["validated"] = _validated_job(ray_env)
+    jobs["tracked"] = _job(ray_env, 4, 20, {"method": "lora"}, integrations=TRACKED(ray_env))
     # a run that is no longer its job's current one (the job was paused and resumed
     # before it looked, and another run started): it checkpoints and leaves
     jobs["superseded"] = _job(ray_env, 4, 20, {"method": "lora"})
@@ -533,3 +555,31 @@ def test_a_gpu_worker_trains(ray_env: dict[str, Any], case: str) -> None:
     for m in metrics:
         assert m["mfu"] is None if not start.data["peak_flops"] else 0 < m["mfu"] < 1
         assert m["peak_memory_bytes"] > 0
+
+
+def test_a_jobs_integrations_hold_its_config_and_metrics(
+    ray_env: dict[str, Any], runs: dict[str, Any]
+) -> None:
+    """A real run on Ray with OpenAI's W&B integration (offline: W&B's run files) and
+    TuneFleet's MLflow one (a local SQLite store): each holds every step's loss as the job's events
+    do, and the settled config."""
+    from tracker_files import mlflow_run, wandb_history
+
+    job_id, error = runs["tracked"]
+    assert error is None, error
+    events = _events(ray_env, job_id)
+    losses = {e.data["step"]: e.data["train_loss"] for e in events if e.type == "metrics"}
+    assert sorted(losses) == list(range(1, 9))
+    assert not [e.message for e in events if e.level != "info"]  # no integration failed
+
+    steps = wandb_history(ray_env["data"] / "wandb")
+    assert {s: round(r["train_loss"], 6) for s, r in steps.items()} == {
+        s: round(v, 6) for s, v in losses.items()
+    }
+    client, run = mlflow_run(TRACKED(ray_env)[1]["mlflow"]["tracking_uri"], "ci", job_id)
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "train_loss")
+    assert {m.step: round(m.value, 6) for m in history} == {
+        s: round(v, 6) for s, v in losses.items()
+    }
+    assert run.data.params["method"] == "lora" and run.data.params["batch_size"] == "4"

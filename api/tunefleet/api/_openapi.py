@@ -282,6 +282,60 @@ class AdapterList(_Open):
     data: list[AdapterServing]
 
 
+class WebhookEndpointObject(_Open):
+    id: str
+    object: Literal["webhook_endpoint"]
+    tenant_id: str
+    url: str
+    events: list[str]
+    description: str
+    created_at: int
+
+
+class NewWebhookEndpoint(WebhookEndpointObject):
+    secret: str = Field(
+        description="The signing secret (Standard Webhooks, `whsec_...`); shown once."
+    )
+
+
+class DeletedWebhookEndpoint(_Open):
+    id: str
+    object: Literal["webhook_endpoint"]
+    deleted: bool
+
+
+class WebhookEndpointList(_Open):
+    object: Literal["list"]
+    data: list[WebhookEndpointObject]
+
+
+class WebhookAttempt(_Open):
+    at: int
+    status_code: int | None
+    ms: int
+    error: str | None = None
+
+
+class WebhookDeliveryObject(_Open):
+    id: str
+    object: Literal["webhook_delivery"]
+    endpoint_id: str
+    event_id: str
+    type: str
+    job_id: str
+    status: Literal["pending", "delivered", "failed"]
+    attempts: int
+    next_attempt_at: int | None
+    created_at: int
+    delivered_at: int | None
+    log: list[WebhookAttempt]
+
+
+class WebhookDeliveryList(_Open):
+    object: Literal["list"]
+    data: list[WebhookDeliveryObject]
+
+
 class Health(_Open):
     status: Literal["ok"]
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -21,7 +23,7 @@ from tunefleet.platform.tenants import create_key, create_tenant
 app = typer.Typer(help="TuneFleet: self-hosted fine-tuning.", no_args_is_help=True)
 db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
 models_app = typer.Typer(help="The base-model registry.", no_args_is_help=True)
-admin_app = typer.Typer(help="Tenants and API keys.", no_args_is_help=True)
+admin_app = typer.Typer(help="Tenants, API keys and webhooks.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(models_app, name="models")
 app.add_typer(admin_app, name="admin")
@@ -265,22 +267,97 @@ def admin_create_key(
     name: str = "",
 ) -> None:
     """Create an API key for TENANT (name or id); prints JSON with the key, shown once."""
+    with session_scope(get_settings().resolved_database_url) as s:
+        tenant_id = _tenant_id(s, tenant)
+        key, plaintext = create_key(s, tenant_id, name=name, is_admin=admin)
+        typer.echo(
+            json.dumps(
+                {
+                    "tenant_id": tenant_id,
+                    "key_id": key.id,
+                    "prefix": key.prefix,
+                    "api_key": plaintext,
+                }
+            )
+        )
+
+
+def _tenant_id(s: Any, tenant: str) -> str:
+    """The id of the tenant named or numbered ``tenant`` (a CLI error naming it if none)."""
     from sqlalchemy import or_, select
 
     from tunefleet.platform.db import Tenant
 
-    with session_scope(get_settings().resolved_database_url) as s:
-        row = s.scalar(select(Tenant).where(or_(Tenant.name == tenant, Tenant.id == tenant)))
-        if row is None:
-            raise typer.BadParameter(
-                f"no tenant {tenant!r}; create it with `tunefleet admin create-tenant`"
-            )
-        key, plaintext = create_key(s, row.id, name=name, is_admin=admin)
-        typer.echo(
-            json.dumps(
-                {"tenant_id": row.id, "key_id": key.id, "prefix": key.prefix, "api_key": plaintext}
-            )
+    row = s.scalar(select(Tenant).where(or_(Tenant.name == tenant, Tenant.id == tenant)))
+    if row is None:
+        raise typer.BadParameter(
+            f"no tenant {tenant!r}; create it with `tunefleet admin create-tenant`"
         )
+    return str(row.id)
+
+
+@contextlib.contextmanager
+def _admin_session() -> Iterator[Any]:
+    """A session for an admin command; a refusal (bad URL, unknown id) is the command's
+    error, naming the value, not a traceback."""
+    from tunefleet.platform.errors import TuneFleetError
+
+    try:
+        with session_scope(get_settings().resolved_database_url) as s:
+            yield s
+    except TuneFleetError as exc:
+        raise typer.BadParameter(exc.message) from None
+
+
+@admin_app.command("create-webhook")
+def admin_create_webhook(
+    tenant: str,
+    url: str,
+    event: Annotated[
+        list[str] | None,
+        typer.Option(help="An event to send (repeat for more); all of them when left out."),
+    ] = None,
+    description: str = "",
+) -> None:
+    """Send TENANT's jobs' ends to URL, signed per Standard Webhooks; prints JSON with the
+    signing secret, shown once."""
+    from tunefleet.platform import webhooks
+
+    with _admin_session() as s:
+        endpoint = webhooks.add_endpoint(
+            s, _tenant_id(s, tenant), url, events=event, description=description
+        )
+        typer.echo(json.dumps(webhooks.endpoint_view(endpoint, with_secret=True)))
+
+
+@admin_app.command("list-webhooks")
+def admin_list_webhooks(tenant: str) -> None:
+    """TENANT's webhook endpoints, one JSON object a line (no secrets)."""
+    from tunefleet.platform import webhooks
+
+    with _admin_session() as s:
+        for endpoint in webhooks.list_endpoints(s, _tenant_id(s, tenant)):
+            typer.echo(json.dumps(webhooks.endpoint_view(endpoint)))
+
+
+@admin_app.command("delete-webhook")
+def admin_delete_webhook(endpoint_id: str) -> None:
+    """Delete a webhook endpoint and its deliveries."""
+    from tunefleet.platform import webhooks
+
+    with _admin_session() as s:
+        webhooks.remove_endpoint(s, endpoint_id)
+    typer.echo(json.dumps({"id": endpoint_id, "object": "webhook_endpoint", "deleted": True}))
+
+
+@admin_app.command("webhook-deliveries")
+def admin_webhook_deliveries(endpoint_id: str, limit: int = 20) -> None:
+    """An endpoint's delivery log, newest first, one JSON object a line."""
+    from tunefleet.platform import webhooks
+
+    with _admin_session() as s:
+        for delivery in webhooks.deliveries(s, endpoint_id, limit):
+            typer.echo(json.dumps(webhooks.delivery_view(delivery)))
 
 
 if __name__ == "__main__":

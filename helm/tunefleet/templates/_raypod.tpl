@@ -28,6 +28,7 @@ spec:
         {{- include "tunefleet.storageEnv" $root | nindent 8 }}
         - name: TUNEFLEET_DATA_DIR
           value: /data
+        {{- with $root.Values.ray.extraEnv }}{{ toYaml . | nindent 8 }}{{ end }}
       {{- if .ports }}
       ports:
         - {name: gcs-server, containerPort: 6379, protocol: TCP}

@@ -15,6 +15,9 @@ PREFIXES = {
     "tenant": "tenant",
     "key": "key",
     "adapter": "adapter",
+    "webhook": "whep",
+    "delivery": "whdlv",
+    "webhook_event": "evt",
 }
 
 

@@ -2,8 +2,8 @@
 
 ``JobCreateRequest`` is the body of ``POST /v1/fine_tuning/jobs``: OpenAI's fields plus
 TuneFleet's own controls under ``tunefleet``. Unknown top-level fields (OpenAI fields
-TuneFleet does not act on, such as ``integrations``) are accepted and kept in the job's
-stored request, never silently dropped.
+TuneFleet does not act on) are accepted and kept in the job's stored request, never
+silently dropped.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.planner import PlanDevice, chart_of_plan, plan_for_spec, resolve_spec
 from tunefleet.platform.spec import (
     BASE_LEARNING_RATE,
+    Integration,
     JobSpec,
     TuneFleetOptions,
 )
@@ -135,6 +136,12 @@ class JobCreateRequest(BaseModel):
     metadata: dict[str, str] | None = Field(default=None, description="Up to 16 string pairs.")
     tunefleet: TuneFleetOptions | None = Field(
         default=None, description="TuneFleet's own controls: PEFT method, resources, lengths."
+    )
+    integrations: list[Integration] | None = Field(
+        default=None,
+        max_length=5,
+        description="Weights & Biases (OpenAI's) or MLflow (TuneFleet's) runs that get the "
+        "job's config and metrics.",
     )
 
     @field_validator("suffix")
@@ -310,6 +317,7 @@ def build_spec(
         seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
         suffix=req.suffix,
         tunefleet=options,
+        integrations=tuple(req.integrations or ()),
     )
     return spec, settled
 

@@ -10,7 +10,7 @@ import os
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -155,6 +155,16 @@ class Settings(BaseSettings):
         default=15,
         description="Seconds a controller's leadership lasts unless renewed (every pass); "
         "a standby controller takes over this long after the leader dies.",
+    )
+    webhook_retry_delays_s: tuple[Annotated[float, Field(ge=0, le=7 * 86400)], ...] = Field(
+        default=(5, 300, 1800, 7200, 18000, 36000),
+        max_length=20,
+        description="Seconds before each retry of a webhook delivery that did not get a 2xx "
+        "(Standard Webhooks' schedule: 5 s, 5 min, 30 min, 2 h, 5 h, 10 h); after the last, "
+        "the delivery is marked failed. A JSON list in the environment.",
+    )
+    webhook_timeout_s: float = Field(
+        default=15, gt=0, le=300, description="Seconds a webhook endpoint has to answer."
     )
 
     # -- the dashboard (tunefleet.api.ui) ------------------------------------------------

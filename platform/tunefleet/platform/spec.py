@@ -322,6 +322,88 @@ class Hyperparameters(_Frozen):
     learning_rate_multiplier: float = Field(gt=0, le=100)
 
 
+class WandbOptions(_Frozen):
+    """OpenAI's ``wandb`` integration: the Weights & Biases run that gets the job's config
+    and metrics. Credentials (``WANDB_API_KEY``) come from the environment of the nodes
+    runs train on; ``WANDB_MODE``, ``WANDB_DIR`` and ``WANDB_BASE_URL`` from the
+    controller's (see docs/api.md)."""
+
+    project: str = Field(min_length=1, max_length=128, description="The W&B project.")
+    name: str | None = Field(
+        default=None, max_length=128, description="The run's display name (default the job id)."
+    )
+    entity: str | None = Field(
+        default=None, max_length=128, description="Team or user (default the key's own)."
+    )
+    tags: tuple[str, ...] = Field(
+        default=(), max_length=20, description="Up to 20 tags of at most 64 characters."
+    )
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for tag in v:
+            if not 1 <= len(tag) <= 64:
+                raise ValueError(f"wandb tag {tag[:70]!r} must be 1-64 characters")
+        return v
+
+
+class MlflowOptions(_Frozen):
+    """TuneFleet's MLflow integration (not OpenAI's): the MLflow run that gets the job's
+    config and metrics, found again by its ``tunefleet.job_id`` tag when the job resumes."""
+
+    tracking_uri: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Tracking server or store (http(s)://, sqlite:///path, databricks; a "
+        "file:// store needs MLFLOW_ALLOW_FILE_STORE=true). Default the controller's "
+        "MLFLOW_TRACKING_URI.",
+    )
+    experiment_name: str = Field(
+        default="tunefleet", min_length=1, max_length=256, description="Created if missing."
+    )
+    run_name: str | None = Field(
+        default=None, max_length=256, description="The run's name (default the job id)."
+    )
+
+
+# What the controller's environment tells runs about the integrations' destinations (never
+# their credentials: Ray shows a run's environment; WANDB_API_KEY and the like belong in
+# the environment of the nodes runs train on).
+INTEGRATION_ENV = (
+    "WANDB_MODE",
+    "WANDB_DIR",
+    "WANDB_BASE_URL",
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_ALLOW_FILE_STORE",
+)
+
+
+class Integration(_Frozen):
+    """Where else a job reports: ``{"type": "wandb", "wandb": {...}}`` (OpenAI's) or
+    ``{"type": "mlflow", "mlflow": {...}}``. A failing integration never fails its job: it
+    is dropped for the rest of the run with a warning event."""
+
+    type: Literal["wandb", "mlflow"]
+    wandb: WandbOptions | None = None
+    mlflow: MlflowOptions | None = None
+
+    @model_validator(mode="after")
+    def _one_object(self) -> Integration:
+        given = [k for k in ("wandb", "mlflow") if getattr(self, k) is not None]
+        if given != [self.type]:
+            raise ValueError(
+                f"an integration of type {self.type!r} takes a {self.type!r} object and no "
+                f"other (got {given or 'none'}), e.g. "
+                + (
+                    '{"type": "wandb", "wandb": {"project": "my-project"}}'
+                    if self.type == "wandb"
+                    else '{"type": "mlflow", "mlflow": {"experiment_name": "tunefleet"}}'
+                )
+            )
+        return self
+
+
 class JobSpec(_Frozen):
     """Everything a run needs to train, and nothing it must look up elsewhere."""
 
@@ -341,6 +423,9 @@ class JobSpec(_Frozen):
     seed: int = Field(ge=0, le=2**31 - 1, description="Seed for shuffling and initialisation.")
     suffix: str | None = Field(default=None, description="User suffix in fine_tuned_model.")
     tunefleet: TuneFleetOptions = Field(default_factory=TuneFleetOptions)
+    integrations: tuple[Integration, ...] = Field(
+        default=(), max_length=5, description="Where else the job reports its metrics."
+    )
 
     @property
     def learning_rate(self) -> float:

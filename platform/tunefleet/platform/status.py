@@ -2,7 +2,9 @@
 
 ``transition`` is a compare-and-set: it updates the row only if the job is still in one of
 the expected states, and writes an event row in the same transaction (the caller's
-session; the caller commits). Two writers racing on one job cannot both win.
+session; the caller commits). Two writers racing on one job cannot both win. A move to an
+end (succeeded, failed, cancelled) also puts its webhook deliveries in the outbox, in that
+transaction (``webhooks.enqueue``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from sqlalchemy.orm import Session
 from tunefleet.platform.db import Job, JobEvent, now_s
 from tunefleet.platform.errors import Conflict
 from tunefleet.platform.ids import new_id
+from tunefleet.platform.webhooks import enqueue
 
 
 class JobStatus(StrEnum):
@@ -133,6 +136,8 @@ def transition(
             code="invalid_state",
         )
     add_event(session, job_id, message, level=level, data=data)
+    if to in TERMINAL:
+        enqueue(session, job_id, to.value)
 
 
 # What a tenant may ask of its job (the REST routes and the dashboard's buttons): the

@@ -20,6 +20,7 @@ from typing import Any
 from tunefleet.platform.scheduler import Node
 from tunefleet.platform.serving_contract import app_name, route_prefix, serve_secret
 from tunefleet.platform.settings import Settings
+from tunefleet.platform.spec import INTEGRATION_ENV
 from tunefleet.workers import _run_channel as run_channel
 
 log = logging.getLogger(__name__)
@@ -329,6 +330,7 @@ RUN_ENV = (
     "OMP_NUM_THREADS",
     "HF_HUB_OFFLINE",
     "TRANSFORMERS_OFFLINE",
+    *INTEGRATION_ENV,
 )
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
+import httpx
 from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -62,6 +63,7 @@ from tunefleet.platform.serving import serving_config
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.spec import JobSpec, Resources, fine_tuned_model_name
 from tunefleet.platform.status import JobStatus, add_event, transition
+from tunefleet.workers._webhook_sender import send_due
 from tunefleet.workers.backend import (
     FAILED,
     NOT_FOUND,
@@ -138,6 +140,10 @@ class Controller:
         self._push_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="serving-config")
         self._pushing: futures.Future[None] | None = None
         self._next_push = 0.0
+        # the webhook outbox, sent on its own thread: a slow endpoint holds up no pass
+        self._webhook_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="webhooks")
+        self._sending: futures.Future[int] | None = None
+        self._http = httpx.Client(follow_redirects=False)
         self.leading = False
         self.last_round = time.monotonic()  # the end of the loop's last round (``health``)
 
@@ -173,6 +179,7 @@ class Controller:
             self._admission.shutdown(wait=True, cancel_futures=True)
             self._serving.shutdown(wait=False, cancel_futures=True)  # a deploy may never end
             self._push_pool.shutdown(wait=False, cancel_futures=True)
+            self._webhook_pool.shutdown(wait=False, cancel_futures=True)
             if self.lease is not None:
                 self.lease.release()
 
@@ -224,6 +231,7 @@ class Controller:
         self._dispatch()
         self._stop_unwanted_runs()
         self._push_serving()
+        self._send_webhooks()
 
     # -- steps -----------------------------------------------------------------------
     def _admit(self) -> None:
@@ -931,6 +939,23 @@ class Controller:
                 self._pushed.pop(base, None)
             else:
                 self._pushed[base] = config
+
+    def _send_webhooks(self) -> None:
+        """Hand the webhook outbox to the sending thread, unless its last send is still
+        going (``_webhook_sender.send_due``)."""
+        if self._sending is not None:
+            if not self._sending.done():
+                return
+            if (exc := self._sending.exception()) is not None:
+                log.error("sending webhooks failed: %s", exc)
+        self._sending = self._webhook_pool.submit(
+            send_due,
+            lambda: session_scope(self.db_url),
+            self._writing,
+            self._http,
+            delays=self.settings.webhook_retry_delays_s,
+            timeout_s=self.settings.webhook_timeout_s,
+        )
 
     def serve_existing_adapters(self) -> None:
         with session_scope(self.db_url) as s:

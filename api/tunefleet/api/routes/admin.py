@@ -13,15 +13,19 @@ from tunefleet.api._openapi import (
     AdapterList,
     AdapterServing,
     AdminJobList,
+    DeletedWebhookEndpoint,
     NewKey,
     NewTenant,
+    NewWebhookEndpoint,
     RevokedKey,
     TenantList,
     TenantObject,
+    WebhookDeliveryList,
+    WebhookEndpointList,
     errors,
     ok,
 )
-from tunefleet.platform import tenants
+from tunefleet.platform import tenants, webhooks
 from tunefleet.platform.db import Adapter, Job, Tenant
 from tunefleet.platform.errors import Forbidden
 from tunefleet.platform.jobs import job_view
@@ -186,3 +190,57 @@ def update_serving(
     adapter = set_serving(session, model, mode=body.serving_mode, pinned=body.pinned)
     session.commit()
     return {**describe(adapter), "tenant_id": adapter.tenant_id}
+
+
+class WebhookCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(max_length=webhooks.MAX_URL, description="An http(s) URL.")
+    events: list[str] | None = Field(
+        default=None,
+        max_length=len(webhooks.EVENTS),
+        description=f"Which of {', '.join(webhooks.EVENTS)}; all when left out.",
+    )
+    description: str = Field(default="", max_length=256)
+
+
+@router.post("/tenants/{tenant_id}/webhooks", responses={**ok(NewWebhookEndpoint), **errors(404)})
+def add_webhook(
+    tenant_id: str, body: WebhookCreate, session: SessionDep, _: AdminDep
+) -> dict[str, Any]:
+    """A webhook endpoint for the tenant's jobs' ends, signed per Standard Webhooks; its
+    secret is in this answer only."""
+    tenant = get_tenant(session, tenant_id)
+    endpoint = webhooks.add_endpoint(
+        session, tenant.id, body.url, events=body.events, description=body.description
+    )
+    session.commit()
+    return webhooks.endpoint_view(endpoint, with_secret=True)
+
+
+@router.get("/tenants/{tenant_id}/webhooks", responses={**ok(WebhookEndpointList), **errors(404)})
+def list_webhooks(tenant_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
+    tenant = get_tenant(session, tenant_id)
+    found = webhooks.list_endpoints(session, tenant.id)
+    return {"object": "list", "data": [webhooks.endpoint_view(e) for e in found]}
+
+
+@router.delete("/webhooks/{endpoint_id}", responses={**ok(DeletedWebhookEndpoint), **errors(404)})
+def remove_webhook(endpoint_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
+    """Remove the endpoint and its deliveries, sent or not."""
+    endpoint = webhooks.remove_endpoint(session, endpoint_id)
+    session.commit()
+    return {"id": endpoint.id, "object": "webhook_endpoint", "deleted": True}
+
+
+@router.get(
+    "/webhooks/{endpoint_id}/deliveries", responses={**ok(WebhookDeliveryList), **errors(404)}
+)
+def webhook_deliveries(
+    endpoint_id: str,
+    session: SessionDep,
+    _: AdminDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 50,
+) -> dict[str, Any]:
+    """The endpoint's delivery log, newest first: each event, its status and attempts."""
+    found = webhooks.deliveries(session, endpoint_id, limit)
+    return {"object": "list", "data": [webhooks.delivery_view(d) for d in found]}

@@ -14,6 +14,8 @@ from tunefleet.platform.db._models import (
     Job,
     JobEvent,
     Tenant,
+    WebhookDelivery,
+    WebhookEndpoint,
     now_s,
 )
 from tunefleet.platform.db._session import (
@@ -35,6 +37,8 @@ __all__ = [
     "Job",
     "JobEvent",
     "Tenant",
+    "WebhookDelivery",
+    "WebhookEndpoint",
     "get_engine",
     "now_s",
     "session_factory",

@@ -194,3 +194,45 @@ class EndedUiSession(Base):
 
     token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
     expires_at: Mapped[int] = mapped_column(BigInteger, index=True)
+
+
+class WebhookEndpoint(Base):
+    """A tenant's URL that receives its jobs' ends (``fine_tuning.job.succeeded`` and so
+    on), signed per the Standard Webhooks spec with ``secret`` (``whsec_`` + base64)."""
+
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    url: Mapped[str] = mapped_column(String(2048))
+    secret: Mapped[str] = mapped_column(String(128))
+    events: Mapped[list[str]] = mapped_column(JSON)
+    description: Mapped[str] = mapped_column(String(256), default="")
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class WebhookDelivery(Base):
+    """One event for one endpoint: the outbox row written with the job's status change (in
+    its transaction), sent by the controller until the endpoint answers 2xx or the
+    attempts run out. ``log`` holds every attempt (time, HTTP status or error)."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+        Index("ix_webhook_deliveries_endpoint", "endpoint_id", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    # the event's id: the payload's ``id`` and the ``webhook-id`` header, the same on every
+    # attempt and for every endpoint (receivers deduplicate on it)
+    event_id: Mapped[str] = mapped_column(String(64))
+    type: Mapped[str] = mapped_column(String(64))
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[int] = mapped_column(BigInteger)
+    log: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    delivered_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)

@@ -40,6 +40,7 @@ from tunefleet.workers.train import _probe as probe
 from tunefleet.workers.train import _sharding as sharding
 from tunefleet.workers.train._loss import LabelledLogits, correct_tokens, mean_loss
 from tunefleet.workers.train._methods import build_model
+from tunefleet.workers.train._trackers import Trackers, job_config
 from tunefleet.workers.train.data import (
     collate,
     collate_packed,
@@ -167,7 +168,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     worker = Worker(config)
     state = worker.resume()
     worker.announce(state, entered)
-    worker.train(state)
+    try:
+        worker.train(state)
+    finally:
+        if worker.trackers is not None:
+            worker.trackers.finish(completed=state.step >= worker.total_steps)
 
 
 @dataclass
@@ -211,6 +216,7 @@ class Worker:
         self.is_chief = self.rank == 0
         # what the chief has to say goes to the platform through the run's channel
         self.reporter = ChannelReporter(self.run_id)
+        self.trackers: Trackers | None = None  # the job's integrations (the chief's, once set up)
         self.device = ray.train.torch.get_device()
 
         # -- the model -----------------------------------------------------------------
@@ -375,6 +381,14 @@ class Worker:
         if not self.is_chief:
             return
         built, opts = self.built, self.spec.tunefleet
+        if self.spec.integrations:
+            settled = {"micro_batch": self.micro, "accumulation": self.accum, "workers": self.world}
+            self.trackers = Trackers(
+                self.spec,
+                job_config(self.spec, **settled, strategy=self.strategy),
+                warn=lambda message: self.reporter.post("message", message=message, level="warn"),
+                environment=self.config.get("integration_env"),
+            )
         resumed = f", resumed at step {state.step}" if state.step else ""
         self.reporter.post(
             "message",
@@ -538,6 +552,8 @@ class Worker:
             "epoch": state.epoch + 1,
             **evaluated,
         }
+        if self.trackers is not None:
+            self.trackers.log(state.step, metrics)
         self.reporter.post(
             "metrics",
             step=state.step,

@@ -21,7 +21,7 @@ from typing import Any
 from tunefleet.platform.artifacts import Store, artifact_store
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.settings import get_settings
-from tunefleet.platform.spec import JobSpec
+from tunefleet.platform.spec import INTEGRATION_ENV, JobSpec
 from tunefleet.workers._run_channel import CLUSTER_ENV, ChannelReporter, run_inputs
 
 log = logging.getLogger("tunefleet.driver")
@@ -138,6 +138,9 @@ def run(job_id: str, run_id: str) -> None:
             # which run of the job this is: a run that is no longer the job's current one
             # (a pause and resume it did not see) checkpoints and leaves
             "run_id": run_id,
+            # where the job's integrations write (never their credentials: see
+            # spec.INTEGRATION_ENV)
+            "integration_env": {k: os.environ[k] for k in INTEGRATION_ENV if k in os.environ},
             # where a run's start-up time goes (the loop reports it with its first event)
             "startup": {
                 "driver_process": psutil.Process().create_time(),
