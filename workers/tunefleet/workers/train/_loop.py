@@ -463,7 +463,16 @@ class Worker:
                 if self.is_chief:
                     rate = (state.step - start_step) / (time.perf_counter() - started)
                     elapsed = max(trained_at - step_started, 1e-9)
-                    self.report_metrics(state, loss, counts, window, norm, elapsed, rate, evaluated)
+                    self.report_metrics(
+                        state,
+                        loss=loss,
+                        counts=counts,
+                        window=window,
+                        grad_norm=norm,
+                        elapsed=elapsed,
+                        rate=rate,
+                        evaluated=evaluated,
+                    )
                     window = Counts()
                 if state.step < self.total_steps and (stop := self.requested_stop(state)):
                     if stop == "paused":
@@ -522,6 +531,7 @@ class Worker:
     def report_metrics(
         self,
         state: TrainState,
+        *,
         loss: float,
         counts: Counts,
         window: Counts,
