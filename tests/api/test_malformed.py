@@ -63,6 +63,18 @@ CORPUS: dict[str, tuple[bytes, int, str]] = {
         400,
         "messages[0] must be an object",
     ),
+    "preference pair missing its rejected answer": (
+        json.dumps({"input": {"messages": [U]}, "preferred_output": [A]}).encode() + b"\n",
+        400,
+        "line 1: missing field 'non_preferred_output'",
+    ),
+    "preference pair with the same answers": (
+        json.dumps(
+            {"input": {"messages": [U]}, "preferred_output": [A], "non_preferred_output": [A]}
+        ).encode(),
+        400,
+        "preferred_output and non_preferred_output are the same",
+    ),
     "oversize": (
         OK + b"\n" + b'{"text": "' + b"x" * 1_100_000 + b'"}\n',
         413,

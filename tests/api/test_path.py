@@ -217,6 +217,29 @@ def test_out_of_bounds_numbers_are_a_400_naming_the_field(
     assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"] == []
 
 
+def test_a_preference_file_uploads_and_a_supervised_job_on_it_is_refused_by_name(
+    app_client: TestClient, key_a: str
+) -> None:
+    """OpenAI's preference (DPO) format is validated on upload; until preference tuning is
+    there, a supervised job on such a file is a 400 that says so (nothing is stored)."""
+    pair = {
+        "input": {"messages": [{"role": "user", "content": "2+2?"}]},
+        "preferred_output": [{"role": "assistant", "content": "4"}],
+        "non_preferred_output": [{"role": "assistant", "content": "5"}],
+    }
+    f = upload(app_client, key_a, (json.dumps(pair) + "\n").encode() * 2)
+    assert f["http_status"] == 200, f
+    assert f["tunefleet"] == {"format": "preference", "stats": {"examples": 2}}
+    body = {"model": TINY, "training_file": f["id"]}
+    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "training_file"
+    assert f"file {f['id']} holds preference pairs" in err["message"]
+    assert "give this job chat, prompt/completion, alpaca or text data" in err["message"]
+    assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"] == []
+
+
 @pytest.mark.parametrize(
     ("integrations", "named"),
     [

@@ -15,6 +15,21 @@ def lines(*objs: object) -> list[bytes]:
 
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+PAIR = {
+    "input": {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "2+2?"},
+        ]
+    },
+    "preferred_output": [{"role": "assistant", "content": "4"}],
+    "non_preferred_output": [{"role": "assistant", "content": "It is four, I believe."}],
+}
+
+
+def pair(**changes: object) -> dict[str, object]:
+    """PAIR with fields replaced (or removed, given None)."""
+    return {k: v for k, v in {**PAIR, **changes}.items() if v is not None}
 
 
 @pytest.mark.parametrize(
@@ -24,6 +39,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
         ({"prompt": "a", "completion": "b"}, "prompt_completion"),
         ({"instruction": "a", "input": "", "output": "b"}, "alpaca"),
         ({"text": "hello"}, "text"),
+        (PAIR, "preference"),
     ],
 )
 def test_each_format_is_recognised(obj: object, fmt: str) -> None:
@@ -58,6 +74,41 @@ def test_each_format_is_recognised(obj: object, fmt: str) -> None:
         (lines({"messages": []}), "non-empty list"),
         (lines({"prompt": "a", "completion": 5}), "'completion' must be a string"),
         (lines({"text": "   "}), "'text' is empty"),
+        # preference (DPO) lines, OpenAI's format
+        (lines(PAIR, pair(preferred_output=None)), "line 2: missing field 'preferred_output'"),
+        (lines(pair(input=None)), "missing field 'input'"),
+        (lines(pair(input={"messages": []})), "'input.messages' must be a non-empty list"),
+        (
+            lines(pair(input={"messages": [{"role": "bot", "content": "x"}]})),
+            "input.messages[0].role is 'bot'",
+        ),
+        (
+            lines(
+                pair(
+                    input={
+                        "messages": [
+                            {"role": "user", "content": "q"},
+                            {"role": "assistant", "content": "a"},
+                        ]
+                    }
+                )
+            ),
+            "ends with an assistant message",
+        ),
+        (
+            lines(pair(non_preferred_output={"role": "assistant", "content": "x"})),
+            "'non_preferred_output' must be a list of exactly one",
+        ),
+        (
+            lines(pair(preferred_output=[{"role": "user", "content": "4"}])),
+            "preferred_output[0].role is 'user'; use 'assistant'",
+        ),
+        (
+            lines(pair(preferred_output=[{"role": "assistant", "content": " "}])),
+            "preferred_output[0].content must be a non-empty string",
+        ),
+        (lines(pair(non_preferred_output=PAIR["preferred_output"])), "are the same"),
+        (lines(PAIR, CHAT), "line 2: looks like chat but the file started as preference"),
     ],
 )
 def test_malformed_files_name_the_line_and_problem(raw: list[bytes], needle: str) -> None:

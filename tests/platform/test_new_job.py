@@ -119,9 +119,14 @@ def test_nothing_is_stored_when_a_file_is_unusable(
 ) -> None:
     with session_scope(settings.resolved_database_url) as s:
         s.get_one(File, "f-valid").status = "error"
+        add_chat_file(
+            s, ArtifactStore(settings.resolved_artifact_root), tenant.tenant_id, "f-dpo", 1
+        )
+        s.get_one(File, "f-dpo").format = "preference"
     cases: list[tuple[dict[str, Any], type[Exception], str]] = [
         ({"training_file": "f-none"}, NotFound, "no file with id 'f-none'"),
         ({"validation_file": "f-valid"}, InvalidRequest, "f-valid is error, not processed"),
+        ({"training_file": "f-dpo"}, InvalidRequest, "f-dpo holds preference pairs"),
     ]
     for change, error, says in cases:
         with pytest.raises(error, match=says):

@@ -4,11 +4,11 @@ databases. The only hand-written SQL of job creation, the API's hottest write
 and a check-then-insert cost more round trips than the bar allows.
 
 One conditional insert stores the job only where its files are usable (the tenant's,
-purpose ``fine-tune``, processed) and the tenant has fewer than ``waiting_cap`` jobs
-waiting: no separate check to race with a file's deletion, and no round trip for it.
-(Concurrent creates of one tenant each count the others' committed jobs only: the cap may
-be passed by the creates in flight.) It returns the stored row, so the API answers with
-what the database holds.
+purpose ``fine-tune``, processed, data a supervised job trains on) and the tenant has
+fewer than ``waiting_cap`` jobs waiting: no separate check to race with a file's
+deletion, and no round trip for it. (Concurrent creates of one tenant each count the
+others' committed jobs only: the cap may be passed by the creates in flight.) It returns
+the stored row, so the API answers with what the database holds.
 
 Atomic whatever the session's mode:
 - PostgreSQL: one statement. The job's insert is a CTE, the event's insert a second CTE
@@ -88,9 +88,10 @@ def insert_job(
     waiting_cap: int,
 ) -> Row[Any] | None:
     """Store ``job`` and ``event`` where each file of ``files`` (parameter name, id) is
-    usable and the tenant has fewer than ``waiting_cap`` jobs waiting. The stored job's row
-    (``JOB_COLUMNS``), or None when nothing was stored. A unique-key clash
-    (Idempotency-Key) raises IntegrityError."""
+    usable (the tenant's, for fine-tuning, processed, not preference pairs) and the tenant
+    has fewer than ``waiting_cap`` jobs waiting. The stored job's row (``JOB_COLUMNS``), or
+    None when nothing was stored. A unique-key clash (Idempotency-Key) raises
+    IntegrityError."""
     conn = session.connection()
     postgres = conn.dialect.name == "postgresql"
     params: dict[str, Any] = {f"job_{k}": v for k, v in job.items()}
@@ -127,6 +128,7 @@ def _statement(postgres: bool, files: tuple[str, ...]) -> Executable:
                     file_cols.tenant_id == bindparam("job_tenant_id"),
                     file_cols.purpose == "fine-tune",
                     file_cols.status == "processed",
+                    func.coalesce(file_cols.format, "") != "preference",  # supervised jobs
                 )
             )
         )

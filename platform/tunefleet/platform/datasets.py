@@ -1,8 +1,10 @@
 """Training-file validation: JSONL, one object a line, one format per file.
 
 Formats: ``chat`` (OpenAI ``messages``, optional per-assistant ``weight`` 0/1),
-``prompt_completion``, ``alpaca`` (instruction/input/output) and ``text``. The file is read
-line by line, never whole. Errors name the line and the fix; the first 20 are reported.
+``prompt_completion``, ``alpaca`` (instruction/input/output) and ``text`` for supervised
+jobs; ``preference`` (OpenAI's DPO format: ``input.messages``, ``preferred_output``,
+``non_preferred_output``) for preference tuning. The file is read line by line, never
+whole. Errors name the line and the fix; the first 20 are reported.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from tunefleet.platform.errors import InvalidFile
 
 MAX_REPORTED_ERRORS = 20
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
-FORMATS = ("chat", "prompt_completion", "alpaca", "text")
+FORMATS = ("chat", "prompt_completion", "alpaca", "text", "preference")
+# What a supervised job trains on; ``preference`` files are for preference tuning.
+SUPERVISED_FORMATS = FORMATS[:4]
 
 
 @dataclass
@@ -34,6 +38,8 @@ class ValidationReport:
 
 
 def detect_format(obj: dict[str, Any]) -> str | None:
+    if "preferred_output" in obj or "non_preferred_output" in obj:
+        return "preference"
     if "messages" in obj:
         return "chat"
     if "prompt" in obj or "completion" in obj:
@@ -85,12 +91,68 @@ def _check_chat(obj: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _check_output(obj: dict[str, Any], key: str) -> tuple[list[str], str | None]:
+    """Problems with a preference line's ``key`` output (a list of one assistant message),
+    and its content when there are none."""
+    output = obj.get(key)
+    if output is None:
+        return [f"missing field '{key}' (a list of one assistant message)"], None
+    if not isinstance(output, list) or len(output) != 1 or not isinstance(output[0], dict):
+        return [f"'{key}' must be a list of exactly one {{role, content}} object"], None
+    message = output[0]
+    if message.get("role") != "assistant":
+        return [f"{key}[0].role is {message.get('role')!r}; use 'assistant'"], None
+    content = message.get("content")
+    if not isinstance(content, str) or not content.strip():
+        return [f"{key}[0].content must be a non-empty string"], None
+    return [], content
+
+
+def _check_preference(obj: dict[str, Any]) -> list[str]:
+    """OpenAI's preference (DPO) line: the prompt in ``input.messages``, then the answer
+    preferred and the one not."""
+    problems: list[str] = []
+    prompt = obj.get("input")
+    if not isinstance(prompt, dict) or "messages" not in prompt:
+        problems.append("missing field 'input' (an object with the prompt's 'messages')")
+    else:
+        messages = prompt["messages"]
+        if not isinstance(messages, list) or not messages:
+            problems.append("'input.messages' must be a non-empty list of {role, content} objects")
+        else:
+            for i, msg in enumerate(messages):
+                where = f"input.messages[{i}]"
+                role = msg.get("role") if isinstance(msg, dict) else None
+                if role not in CHAT_ROLES:
+                    problems.append(
+                        f"{where}.role is {role!r}; use one of {', '.join(sorted(CHAT_ROLES))}"
+                    )
+                elif not isinstance(msg.get("content"), str):
+                    problems.append(f"{where}.content must be a string")
+            if not problems and messages[-1].get("role") == "assistant":
+                problems.append(
+                    "input.messages ends with an assistant message; the answers to compare "
+                    "go in preferred_output and non_preferred_output"
+                )
+    preferred_problems, preferred = _check_output(obj, "preferred_output")
+    rejected_problems, rejected = _check_output(obj, "non_preferred_output")
+    problems += preferred_problems + rejected_problems
+    if preferred is not None and preferred == rejected:
+        problems.append(
+            "preferred_output and non_preferred_output are the same; a pair teaches only "
+            "where they differ"
+        )
+    return problems
+
+
 def check_example(obj: Any, fmt: str) -> list[str]:
     """Problems with one parsed line of a file in format ``fmt`` (empty list: fine)."""
     if not isinstance(obj, dict):
         return [f"expected a JSON object, got {type(obj).__name__}"]
     if fmt == "chat":
         return _check_chat(obj)
+    if fmt == "preference":
+        return _check_preference(obj)
     keys = {
         "prompt_completion": [("prompt", True), ("completion", True)],
         "alpaca": [("instruction", True), ("input", False), ("output", True)],
@@ -132,7 +194,8 @@ def validate_lines(lines: Iterable[bytes]) -> ValidationReport:
             report.error(
                 line_no,
                 "unrecognised example; expected 'messages' (chat), 'prompt'+'completion', "
-                "'instruction'+'output' (alpaca) or 'text'",
+                "'instruction'+'output' (alpaca), 'text', or 'input'+'preferred_output'+"
+                "'non_preferred_output' (preference)",
             )
             continue
         if report.format is None:

@@ -231,7 +231,7 @@ def _explain_unusable(session: Session, principal: Principal, file_id: str, para
     row = (
         session.connection()
         .execute(
-            select(files.purpose, files.status).where(
+            select(files.purpose, files.status, files.format).where(
                 files.id == file_id, files.tenant_id == principal.tenant_id
             )
         )
@@ -239,7 +239,7 @@ def _explain_unusable(session: Session, principal: Principal, file_id: str, para
     )
     if row is None:
         raise NotFound(f"no file with id {file_id!r}; upload one with POST /v1/files", param=param)
-    purpose, status = row
+    purpose, status, fmt = row
     if purpose != "fine-tune":
         raise InvalidRequest(
             f"file {file_id} has purpose {purpose!r}; upload it with purpose 'fine-tune'",
@@ -247,6 +247,14 @@ def _explain_unusable(session: Session, principal: Principal, file_id: str, para
         )
     if status != "processed":
         raise InvalidRequest(f"file {file_id} is {status}, not processed", param=param)
+    if fmt == "preference":
+        raise InvalidRequest(
+            f"file {file_id} holds preference pairs (input, preferred_output, "
+            "non_preferred_output), which a supervised job cannot train on; preference "
+            "tuning (method type 'dpo') is not available yet: give this job chat, "
+            "prompt/completion, alpaca or text data",
+            param=param,
+        )
 
 
 def training_examples(session: Session, tenant_id: str, file_id: str) -> int | None:
