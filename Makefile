@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256
 
 HELM   := $(BIN)/helm
 
-.PHONY: install helm chromium screenshots demo test test-fast lint fmt up clean
+.PHONY: install helm chromium screenshots demo test test-fast lint fmt up clean bench-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ $(HELM): helm/get_helm.py | $(BIN)/python
 	$(BIN)/python helm/get_helm.py $(HELM)
 
 helm: $(HELM)
+
+bench-deps: install  ## the benchmarks' baselines (TRL for bench/dpo_throughput.py), pinned
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,bench]"
 
 # Debian's Chromium for the dashboard's browser tests (tests/ui), which Playwright drives
 # through executable_path: never `playwright install`, which downloads a browser build.

@@ -78,6 +78,30 @@ def make_data(path: Path, n: int, max_words: int, seed: int) -> None:
             f.write(json.dumps({"messages": messages}) + "\n")
 
 
+def token_clock(model: Any, *, grad_only: bool = False) -> tuple[dict[str, int], list[Any], Any]:
+    """Counts of the real and the padded tokens ``model``'s forward passes see (with
+    ``grad_only``, only those that compute gradients: not a reference model's), the
+    (time, real tokens) marks at each step's end, and the Trainer callback that makes them."""
+    import torch
+    from transformers import TrainerCallback
+
+    seen = {"tokens": 0, "padded": 0}
+
+    def count(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        if torch.is_grad_enabled() or not grad_only:
+            seen["tokens"] += int(kwargs["attention_mask"].sum())
+            seen["padded"] += kwargs["attention_mask"].numel()
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
+    marks: list[tuple[float, int]] = []
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            marks.append((time.perf_counter(), seen["tokens"]))
+
+    return seen, marks, Clock()
+
+
 def run_trainer(
     model_path: Path, data: Path, args: argparse.Namespace, checkpointing: bool
 ) -> dict[str, Any]:
@@ -89,7 +113,6 @@ def run_trainer(
         AutoTokenizer,
         DataCollatorForSeq2Seq,
         Trainer,
-        TrainerCallback,
         TrainingArguments,
     )
 
@@ -114,18 +137,7 @@ def run_trainer(
             task_type="CAUSAL_LM",
         ),
     )
-    seen = {"tokens": 0, "padded": 0}
-
-    def count(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
-        seen["tokens"] += int(kwargs["attention_mask"].sum())
-        seen["padded"] += kwargs["attention_mask"].numel()
-
-    model.register_forward_pre_hook(count, with_kwargs=True)
-    marks: list[tuple[float, int]] = []
-
-    class Clock(TrainerCallback):  # type: ignore[misc]
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            marks.append((time.perf_counter(), seen["tokens"]))
+    seen, marks, clock = token_clock(model)
 
     with tempfile.TemporaryDirectory() as out:
         training_args = TrainingArguments(
@@ -149,7 +161,7 @@ def run_trainer(
             args=training_args,
             train_dataset=rows,
             data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True),
-            callbacks=[Clock()],
+            callbacks=[clock],
         )
         trainer.train()
     (t0, n0), (t1, n1) = marks[0], marks[-1]
@@ -168,10 +180,14 @@ def run_tunefleet(
     args: argparse.Namespace,
     options: dict[str, Any] | None = None,
     gpus: int = 0,
+    *,
+    method: dict[str, Any] | None = None,
+    file_format: str = "chat",
 ) -> dict[str, Any]:
     """A job through the real driver on a local Ray cluster (one worker: ``THREADS`` CPUs,
-    or one GPU); ``options`` change the job's ``tunefleet`` options. Figures from the
-    loop's own metrics events."""
+    or one GPU); ``options`` change the job's ``tunefleet`` options, ``method`` is its
+    OpenAI ``method`` object (default supervised) for a file of ``file_format``. Figures
+    from the loop's own metrics events."""
     import ray
     from sqlalchemy import select
 
@@ -202,7 +218,7 @@ def run_tunefleet(
         principal = authenticate(s, f"Bearer {create_key(s, tenant.id)[1]}")
         s.add(File(id="file-bench", tenant_id=tenant.id, filename=data.name,
                    purpose="fine-tune", bytes=data.stat().st_size, status="processed",
-                   format="chat", stats={}, path=store.file_key("file-bench")))  # fmt: skip
+                   format=file_format, stats={}, path=store.file_key("file-bench")))  # fmt: skip
         s.flush()
         request = JobCreateRequest.model_validate(
             {
@@ -210,6 +226,7 @@ def run_tunefleet(
                 "training_file": "file-bench",
                 "seed": args.seed,
                 "hyperparameters": {"n_epochs": 1, "batch_size": args.micro_batch * args.accum},
+                **({"method": method} if method else {}),
                 "tunefleet": {
                     "lora": LORA,
                     "max_seq_len": args.max_seq_len,
@@ -255,7 +272,7 @@ def run_tunefleet(
         "timed_tokens": tokens,
         # what the planner settled for "auto" (the loop's first event says)
         "gradient_checkpointing": "gradient checkpointing" in start.message,
-        "packing": True,
+        "packing": (options or {}).get("packing", True),
         "flops_per_token": start.data["flops_per_token"],
         # the loop's own: the output layer counted at labelled positions only
         "reported_mfu": [m["mfu"] for m in timed],

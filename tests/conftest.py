@@ -292,12 +292,42 @@ def create_tenants(env: dict[str, str], names: Iterable[str]) -> dict[str, str]:
     return keys
 
 
-def add_chat_file(session: Any, store: Any, tenant_id: str, file_id: str, copies: int) -> str:
-    """A processed training file of ``copies`` copies of CHAT for ``tenant_id``, written to
-    the artifact store and recorded (what a validated upload leaves); returns its id."""
+# OpenAI's preference (DPO) format: of two answers to a question, the first is preferred
+PREFERENCES = [
+    ("what color is an apple", "red green blue", "one two three"),
+    ("name a number", "red green blue", "one two three four"),
+    ("what is a banana", "red green blue", "a yellow fruit"),
+    ("name a fruit", "red green blue", "cherry"),
+]
+
+
+def preference_line(question: str, preferred: str, other: str) -> dict[str, Any]:
+    return {
+        "input": {"messages": [{"role": "user", "content": question}]},
+        "preferred_output": [{"role": "assistant", "content": preferred}],
+        "non_preferred_output": [{"role": "assistant", "content": other}],
+    }
+
+
+def add_chat_file(
+    session: Any,
+    store: Any,
+    tenant_id: str,
+    file_id: str,
+    copies: int,
+    *,
+    preference: bool = False,
+) -> str:
+    """A processed training file of ``copies`` copies of CHAT (``preference``: of the
+    PREFERENCES pairs, in turn) for ``tenant_id``, written to the artifact store and
+    recorded (what a validated upload leaves); returns its id."""
     from tunefleet.platform.db import File
 
-    store.write_bytes(store.file_key(file_id), (json.dumps(CHAT) + "\n").encode() * copies)
+    lines = [CHAT] * copies
+    if preference:
+        lines = [preference_line(*PREFERENCES[i % len(PREFERENCES)]) for i in range(copies)]
+    body = "".join(json.dumps(line) + "\n" for line in lines)
+    store.write_bytes(store.file_key(file_id), body.encode())
     session.add(
         File(
             id=file_id,
@@ -306,7 +336,7 @@ def add_chat_file(session: Any, store: Any, tenant_id: str, file_id: str, copies
             purpose="fine-tune",
             bytes=1,
             status="processed",
-            format="chat",
+            format="preference" if preference else "chat",
             stats={},
             path=store.file_key(file_id),
         )

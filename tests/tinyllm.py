@@ -46,13 +46,13 @@ def build_tokenizer(folder: Path) -> None:
 HIDDEN = 64  # the tiny models' width
 
 
-def multiplier_for(rate: float, method: str = "lora") -> float:
+def multiplier_for(rate: float, method: str = "lora", objective: str = "supervised") -> float:
     """The ``learning_rate_multiplier`` that trains a tiny model at ``rate`` with
-    ``method``: a multiplier scales a base rate that follows the model's width
-    (``platform/_defaults.py``), so a test that needs a given rate names the rate."""
+    ``method`` for ``objective``: a multiplier scales a base rate that follows the model's
+    width (``platform/_defaults.py``), so a test that needs a given rate names the rate."""
     from tunefleet.platform._defaults import base_learning_rate
 
-    return rate / base_learning_rate(method, {"hidden_size": HIDDEN})[0]
+    return rate / base_learning_rate(method, {"hidden_size": HIDDEN}, objective)[0]
 
 
 def build_tiny_llama(

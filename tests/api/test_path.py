@@ -217,26 +217,113 @@ def test_out_of_bounds_numbers_are_a_400_naming_the_field(
     assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"] == []
 
 
-def test_a_preference_file_uploads_and_a_supervised_job_on_it_is_refused_by_name(
+PAIR = {
+    "input": {"messages": [{"role": "user", "content": "2+2?"}]},
+    "preferred_output": [{"role": "assistant", "content": "4"}],
+    "non_preferred_output": [{"role": "assistant", "content": "5"}],
+}
+
+
+def test_a_preference_file_trains_dpo_jobs_and_only_them(
     app_client: TestClient, key_a: str
 ) -> None:
-    """OpenAI's preference (DPO) format is validated on upload; until preference tuning is
-    there, a supervised job on such a file is a 400 that says so (nothing is stored)."""
-    pair = {
-        "input": {"messages": [{"role": "user", "content": "2+2?"}]},
-        "preferred_output": [{"role": "assistant", "content": "4"}],
-        "non_preferred_output": [{"role": "assistant", "content": "5"}],
-    }
-    f = upload(app_client, key_a, (json.dumps(pair) + "\n").encode() * 2)
+    """OpenAI's preference (DPO) format is validated on upload. A DPO job on it is made
+    with its beta, the reference the method calls for and DPO's learning rate, and shows
+    OpenAI's ``method`` object; a supervised job on it, or a DPO job on chat data, is a
+    400 naming the file and the fix (nothing is stored)."""
+    f = upload(app_client, key_a, (json.dumps(PAIR) + "\n").encode() * 2)
     assert f["http_status"] == 200, f
     assert f["tunefleet"] == {"format": "preference", "stats": {"examples": 2}}
-    body = {"model": TINY, "training_file": f["id"]}
-    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body)
+    chat = upload(app_client, key_a, json.dumps(CHAT).encode())
+    refused = [
+        ({"training_file": f["id"]}, "training_file", f"file {f['id']} holds preference pairs"),
+        (
+            {"training_file": chat["id"], "method": {"type": "dpo"}},
+            "training_file",
+            f"file {chat['id']} holds chat examples, and a DPO job trains on preference pairs",
+        ),
+        (
+            {
+                "training_file": f["id"],
+                "validation_file": chat["id"],
+                "method": {"type": "dpo"},
+            },
+            "validation_file",
+            "a DPO job trains on preference pairs",
+        ),
+    ]
+    for change, param, says in refused:
+        resp = app_client.post(
+            "/v1/fine_tuning/jobs", headers=H(key_a), json={"model": TINY, **change}
+        )
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == param and says in err["message"], err
+    assert "create a preference tuning job" in refused_message(app_client, key_a, f["id"])
+    assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"] == []
+
+    body = {
+        "model": TINY,
+        "training_file": f["id"],
+        "method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.25, "n_epochs": 2}}},
+    }
+    job = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body).json()
+    assert job["method"]["type"] == "dpo", job
+    hp = job["method"]["dpo"]["hyperparameters"]
+    assert hp["beta"] == 0.25 and hp["n_epochs"] == 2 and hp["learning_rate_multiplier"] == 1
+    assert job["tunefleet"]["dpo"] == {"beta": 0.25, "reference": "adapter_disabled"}
+    supervised_rate = app_client.post(
+        "/v1/fine_tuning/jobs",
+        headers=H(key_a),
+        json={"model": TINY, "training_file": chat["id"]},
+    ).json()["tunefleet"]["learning_rate"]
+    assert job["tunefleet"]["learning_rate"] == pytest.approx(supervised_rate / 10)
+    full = app_client.post(
+        "/v1/fine_tuning/jobs",
+        headers=H(key_a),
+        json={**body, "method": {"type": "dpo"}, "tunefleet": {"method": "full"}},
+    ).json()
+    assert full["tunefleet"]["dpo"] == {"beta": 0.1, "reference": "precomputed"}  # auto
+
+
+def refused_message(app_client: TestClient, key: str, file_id: str) -> str:
+    resp = app_client.post(
+        "/v1/fine_tuning/jobs", headers=H(key), json={"model": TINY, "training_file": file_id}
+    )
     assert resp.status_code == 400, resp.text
+    return str(resp.json()["error"]["message"])
+
+
+BETA = "method.dpo.hyperparameters.beta"
+START = "tunefleet.init_from_job"
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "named"),
+    [
+        (
+            {"method": {"type": "dpo", "supervised": {}}},
+            "method",
+            "put the hyperparameters under method.dpo",
+        ),
+        ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0}}}}, BETA, "above 0"),
+        ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 11}}}}, BETA, "at most 10"),
+        ({"method": {"type": "ppo"}}, "method.type", "'supervised' or 'dpo'"),
+        ({"tunefleet": {"method": "prompt_tuning"}}, "tunefleet.method", "cannot be preference"),
+        ({"tunefleet": {"packing": True}}, "tunefleet.packing", "is not packed"),
+        ({"tunefleet": {"init_from_job": "ftjob-no"}}, START, "no fine-tuning job 'ftjob-no'"),
+    ],
+    ids=["other-object", "beta-0", "beta-11", "ppo", "prompt-tuning", "packing", "unknown-start"],
+)
+def test_a_dpo_job_refused_names_the_field_and_the_fix(
+    app_client: TestClient, key_a: str, change: dict[str, Any], param: str, named: str
+) -> None:
+    f = upload(app_client, key_a, (json.dumps(PAIR) + "\n").encode() * 2)
+    body = {"model": TINY, "training_file": f["id"], "method": {"type": "dpo"}, **change}
+    resp = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body)
+    assert resp.status_code in (400, 404), resp.text
     err = resp.json()["error"]
-    assert err["param"] == "training_file"
-    assert f"file {f['id']} holds preference pairs" in err["message"]
-    assert "give this job chat, prompt/completion, alpaca or text data" in err["message"]
+    assert named in err["message"] and err["param"] == param, err
     assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"] == []
 
 
@@ -431,3 +518,53 @@ def test_a_database_outage_is_a_503_with_retry_after(
             assert resp.headers["retry-after"] == "2"
             assert resp.json()["error"]["code"] == "database_unavailable"
     assert app_client.get("/v1/files", headers=H(key_a)).status_code == 200
+
+
+def test_a_job_starts_only_from_a_succeeded_job_of_its_tenant_model_and_shape(
+    app_client: TestClient, key_a: str, key_b: str, settings: Settings
+) -> None:
+    """tunefleet.init_from_job (SFT -> DPO): by the job's id or fine_tuned_model, of the
+    same tenant, succeeded, with the same model, method and adapter shape; anything else
+    is refused naming the fix, and the job made records the source job's id."""
+    chat = upload(app_client, key_a, json.dumps(CHAT).encode())
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    sft = app_client.post(
+        "/v1/fine_tuning/jobs",
+        headers=H(key_a),
+        json={"model": TINY, "training_file": chat["id"], "tunefleet": {"lora": lora}},
+    ).json()
+    pairs = upload(app_client, key_a, (json.dumps(PAIR) + "\n").encode() * 2)
+    dpo = {"model": TINY, "training_file": pairs["id"], "method": {"type": "dpo"}}
+
+    def create(key: str, **tunefleet: Any) -> Any:
+        body = {**dpo, "tunefleet": {"lora": lora, "init_from_job": sft["id"], **tunefleet}}
+        return app_client.post("/v1/fine_tuning/jobs", headers=H(key), json=body)
+
+    resp = create(key_a)
+    assert resp.status_code == 400
+    assert f"job {sft['id']} is validating_files; a job starts only from the weights of a " \
+        "succeeded job" in resp.json()["error"]["message"]  # fmt: skip
+    name = f"ft:{TINY}:tenant-a::{sft['id']}"
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(Job, sft["id"])
+        assert job is not None
+        job.status, job.fine_tuned_model = "succeeded", name
+    other_tenant = create(key_b)
+    assert other_tenant.status_code == 404
+    assert f"no fine-tuning job {sft['id']!r} to start from" in other_tenant.text
+    mismatches = [
+        ({"method": "ia3"}, "tunefleet.method", "trained tunefleet.method 'lora'"),
+        ({"lora": {**lora, "r": 8}}, "tunefleet.lora", "send the same tunefleet.lora"),
+    ]
+    for change, param, says in mismatches:
+        err = create(key_a, **change).json()["error"]
+        assert err["param"] == param and says in err["message"], err
+    made = app_client.post(
+        "/v1/fine_tuning/jobs",
+        headers=H(key_a),
+        json={**dpo, "tunefleet": {"lora": lora, "init_from_job": name}},
+    ).json()
+    assert made["tunefleet"]["init_from_job"] == sft["id"], made
+    # a job continuing another's weights compares against them: its reference is
+    # precomputed from the model it starts as, not the base with the adapter off
+    assert made["tunefleet"]["dpo"]["reference"] == "precomputed"

@@ -933,6 +933,112 @@ def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_can
     assert not stack["store"].exists(stack["store"].adapter_key(job["id"]))
 
 
+def test_dpo_continues_a_supervised_adapter_through_the_api_pauses_resumes_and_serves(
+    stack: dict[str, Any], acme_job: dict[str, Any]
+) -> None:
+    """SFT then DPO, through the API on real Ray: acme uploads preference pairs (validated
+    with token statistics of both answers), and creates a DPO job that continues its
+    supervised colors job's adapter, preferring another answer over the one that job
+    taught, and the same job again, trained straight through alongside. The first is
+    paused mid-run and resumed: it continues from its checkpoint with the reference scores
+    its first run took, and ends with exactly the straight job's losses and DPO metrics.
+    Its adapter is served like any other, and no longer gives the answer it was taught to
+    disprefer."""
+    client = acme_job["client"]
+    sft = acme_job["job"]
+    pairs = [
+        {
+            "input": {"messages": [{"role": "user", "content": q}]},
+            "preferred_output": [{"role": "assistant", "content": OTHER_ANSWER}],
+            "non_preferred_output": [{"role": "assistant", "content": ANSWER}],
+        }
+        for q in QUESTIONS
+    ]
+    body = "".join(json.dumps(p) + "\n" for p in pairs).encode()
+    f = client.post(
+        "/v1/files",
+        data={"purpose": "fine-tune"},
+        files={"file": ("pairs.jsonl", body, "application/jsonl")},
+    ).json()
+    assert f["tunefleet"]["format"] == "preference", f
+    spec = {
+        "model": TINY,
+        "training_file": f["id"],
+        "seed": 5,
+        "method": {
+            "type": "dpo",
+            "dpo": {
+                "hyperparameters": {
+                    "n_epochs": 5,
+                    "batch_size": 2,
+                    "beta": 0.5,
+                    "learning_rate_multiplier": multiplier_for(1e-2, "lora", "dpo"),
+                }
+            },
+        },
+        "tunefleet": {
+            # the supervised job's adapter shape
+            "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["all-linear"]},
+            "init_from_job": sft["fine_tuned_model"],
+            "checkpoint_every_steps": 1000,
+        },
+    }
+    job = client.post("/v1/fine_tuning/jobs", json=spec).json()
+    assert job["method"]["type"] == "dpo" and job["tunefleet"]["init_from_job"] == sft["id"], job
+    straight = client.post("/v1/fine_tuning/jobs", json=spec).json()
+    _wait(client, job["id"], lambda j, ev: len(_steps(ev)) >= 3, "three steps")
+    assert client.post(f"/v1/fine_tuning/jobs/{job['id']}/pause").json()["status"] == "paused"
+    _, events = _wait(
+        client,
+        job["id"],
+        lambda j, ev: any(e["message"].startswith("Paused at step") for e in ev),
+        "the run to checkpoint and leave",
+    )
+    _run_over(stack, f"{job['id']}-1")
+    assert client.post(f"/v1/fine_tuning/jobs/{job['id']}/resume").json()["status"] == "queued"
+    job, events = _wait(
+        client, job["id"], lambda j, ev: j["status"] == "succeeded", "the resumed DPO job"
+    )
+    _, straight_events = _wait(
+        client, straight["id"], lambda j, ev: j["status"] == "succeeded", "the straight DPO job"
+    )
+    validated = next(e for e in events if e["message"].startswith("Validated training file"))
+    stats = validated["data"]["training_file"]
+    assert stats["examples"] == len(QUESTIONS) and stats["trained_tokens"] > 0, stats
+    starts = [e["message"] for e in events if e["message"].startswith("Training ")]
+    assert len(starts) == 2 and "resumed at step" in starts[1]
+    assert all(f"from job {sft['id']}'s weights" in m for m in starts)
+    precomputed = [e for e in events if "precomputed in" in e["message"]]
+    assert len(precomputed) == 1, "the resumed run kept its first run's reference scores"
+    steps = _steps(events)
+    assert steps == list(range(1, 21)), steps
+    keys = ("train_loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies")
+
+    def metrics(evs: list[dict[str, Any]]) -> dict[int, tuple[float, ...]]:
+        return {
+            e["data"]["step"]: tuple(e["data"][k] for k in keys)
+            for e in evs
+            if e["type"] == "metrics"
+        }
+
+    assert metrics(events) == metrics(straight_events)
+    last = metrics(events)[20]
+    assert last[0] < metrics(events)[1][0] and last[1] > last[2]
+    answer = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": job["fine_tuned_model"],
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": QUESTIONS[0]}],
+        },
+    )
+    assert answer.status_code == 200, answer.text
+    # the supervised adapter's answer is the non-preferred one: no longer what it says
+    # (what the preferred behaviour looks like on a real model: test_dpo_efficacy.py)
+    assert answer.json()["choices"][0]["message"]["content"].strip() != ANSWER
+
+
 def test_the_dashboard_follows_a_real_job_through_pause_and_resume(
     stack: dict[str, Any], acme_job: dict[str, Any]
 ) -> None:

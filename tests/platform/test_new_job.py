@@ -182,3 +182,26 @@ def test_creation_writes_once_on_postgresql_and_in_one_transaction_on_sqlite(
     finally:
         event.remove(engine, "before_cursor_execute", count)
     assert _counts(settings) == (1, 1)
+
+
+def test_a_dpo_job_is_stored_on_preference_files_only(
+    settings: Settings, tenant: Principal, session: Session
+) -> None:
+    with session_scope(settings.resolved_database_url) as s:
+        store = ArtifactStore(settings.resolved_artifact_root)
+        add_chat_file(s, store, tenant.tenant_id, "f-pairs", 4, preference=True)
+    dpo = {**REQUEST, "method": {"type": "dpo"}}
+    cases = [
+        ({}, "file f-train holds chat examples, and a DPO job trains on preference pairs"),
+        ({"training_file": "f-pairs"}, "file f-valid holds chat examples"),
+    ]
+    for change, says in cases:
+        with pytest.raises(InvalidRequest, match=says):
+            _create(session, settings, tenant, {**dpo, **change})
+        session.rollback()
+    assert _counts(settings) == (0, 0)
+    row = _create(
+        session, settings, tenant, {**dpo, "training_file": "f-pairs", "validation_file": "f-pairs"}
+    )
+    assert row.spec["objective"] == "dpo" and row.spec["dpo"]["beta"] == 0.1
+    assert _counts(settings) == (1, 1)

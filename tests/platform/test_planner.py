@@ -251,3 +251,35 @@ def test_a_probe_setting_the_job_gave_is_kept_and_each_plan_is_its_own() -> None
     plan["notes"] = "changed by one caller"
     _, third = resolve_spec(LLAMA2_7B_CONFIG, _spec(**gpus), device_bytes=80 * GiB, host_bytes=0)
     assert third != plan and third == again
+
+
+def test_dpo_plans_both_sequences_of_a_pair_and_says_where_its_reference_comes_from() -> None:
+    """A DPO job's pair is two sequences in one forward pass: twice a supervised job's
+    activations and logits per example, the same states (no second copy of the model for
+    either reference), and the plan's notes say which reference the run uses."""
+    gpus = {"resources": {"gpus_per_worker": 1}, "micro_batch_size": 2}
+    supervised = _spec(**gpus)
+    plans = {}
+    for reference in ("adapter_disabled", "precomputed"):
+        dpo = JobSpec.model_validate(
+            {
+                **supervised.model_dump(),
+                "objective": "dpo",
+                "dpo": {"beta": 0.1, "reference": reference},
+            }
+        )
+        plans[reference] = resolve_spec(LLAMA2_7B_CONFIG, dpo, device_bytes=80 * GiB, host_bytes=0)[
+            1
+        ]
+    base = resolve_spec(LLAMA2_7B_CONFIG, supervised, device_bytes=80 * GiB, host_bytes=0)[1]
+    for reference, plan in plans.items():
+        got, alone = plan["breakdown"], base["breakdown"]
+        assert plan["input"]["sequences_per_example"] == 2
+        assert plan["input"]["reference"] == reference
+        assert got["states"] == alone["states"]
+        assert got["activations"] > 1.9 * alone["activations"]
+        assert got["logits"] == 2 * alone["logits"]
+        notes = " ".join(got["notes"])
+        assert "each pair's 2 sequences in one forward pass" in notes
+        said = {"adapter_disabled": "adapter switched off", "precomputed": "precomputed once"}
+        assert said[reference] in notes and "copy of the weights" in notes

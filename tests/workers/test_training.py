@@ -5,11 +5,15 @@ biases, for BitFit):
   trainable and total counts, and leaves its final weights in the artifact store in the
   method's format; precisions, optimizers and packing ride along on some of the runs;
 - a worker killed mid-run (SIGKILL) is restarted by Ray Train from the newest checkpoint
-  and the job ends with exactly the losses of a run that was never interrupted."""
+  and the job ends with exactly the losses of a run that was never interrupted;
+- DPO on preference pairs with LoRA, QLoRA (the reference: the adapter switched off) and
+  full fine-tuning (the reference: scores precomputed before the first step), and DPO
+  continuing a supervised job's adapter."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -24,7 +28,7 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from conftest import add_chat_file
+from conftest import PREFERENCES, add_chat_file
 from tinyllm import multiplier_for
 from tunefleet.platform.artifacts import ArtifactStore
 from tunefleet.platform.db import Job, JobEvent, session_scope
@@ -139,6 +143,43 @@ def _job(
         return create_job(s, env["principal"], req, registry).id
 
 
+DPO_CASES = {  # method -> (learning rate, more options)
+    "lora": (1e-2, {"lora": {"dropout": 0.0}, "precision": "bf16"}),
+    "qlora": (1e-2, {"qlora": {"compute_dtype": "float32"}}),
+    "full": (1e-3, {}),
+}
+
+
+def _dpo_job(env: dict[str, Any], method: str, **tunefleet: Any) -> str:
+    """A DPO job of ``method``: 8 pairs, batch 4, 4 epochs (8 steps), a validation file of
+    the 4 PREFERENCES."""
+    rate, options = DPO_CASES[method]
+    with session_scope(env["url"]) as s:
+        store = ArtifactStore(env["data"] / "artifacts")
+        tenant = env["principal"].tenant_id
+        if "pairs" not in env:
+            env["pairs"] = add_chat_file(s, store, tenant, "f-pairs", 8, preference=True)
+            env["valid-pairs"] = add_chat_file(s, store, tenant, "f-vpairs", 4, preference=True)
+        hp = {
+            "n_epochs": 4,
+            "batch_size": 4,
+            "learning_rate_multiplier": multiplier_for(rate, method, "dpo"),
+            "beta": 0.5,
+        }
+        req = JobCreateRequest.model_validate(
+            {
+                "model": BIASED,
+                "training_file": env["pairs"],
+                "validation_file": env["valid-pairs"],
+                "seed": 3,
+                "method": {"type": "dpo", "dpo": {"hyperparameters": hp}},
+                "tunefleet": {"max_seq_len": 64, "method": method, **options, **tunefleet},
+            }
+        )
+        registry = ModelRegistry(get_settings().resolved_model_registry)
+        return create_job(s, env["principal"], req, registry).id
+
+
 def _events(env: dict[str, Any], job_id: str) -> list[JobEvent]:
     with session_scope(env["url"]) as s:
         return list(
@@ -200,6 +241,8 @@ def runs(ray_env: dict[str, Any]) -> dict[str, tuple[str, BaseException | None]]
     too_small = PlanDevice(memory_bytes=2.5 * 2**20, host_bytes=2**30)
     jobs["probed-too-small"] = _planned_job(ray_env, too_small)
     jobs["validated"] = _validated_job(ray_env)
+    for method in DPO_CASES:
+        jobs[f"dpo-{method}"] = _dpo_job(ray_env, method)
     jobs["tracked"] = _job(ray_env, 4, 20, {"method": "lora"}, integrations=TRACKED(ray_env))
     # a run that is no longer its job's current one (the job was paused and resumed
     # before it looked, and another run started): it checkpoints and leaves
@@ -583,3 +626,92 @@ def test_a_jobs_integrations_hold_its_config_and_metrics(
         s: round(v, 6) for s, v in losses.items()
     }
     assert run.data.params["method"] == "lora" and run.data.params["batch_size"] == "4"
+
+
+@pytest.mark.parametrize("method", list(DPO_CASES))
+def test_dpo_learns_the_preferred_answers(
+    ray_env: dict[str, Any], runs: dict[str, Any], method: str
+) -> None:
+    """Loss from log 2 down, rewards of the chosen answers above the rejected ones, on
+    the training and the validation pairs, with the reference the method calls for; the
+    adapter (or trained weights) stored as a supervised job's are."""
+    job_id, error = runs[f"dpo-{method}"]
+    assert error is None, error
+    events = _events(ray_env, job_id)
+    start = next(e for e in events if e.message.startswith("Training "))
+    reference = "precomputed" if method == "full" else "adapter disabled"
+    assert f"of {method} for DPO (beta 0.5, reference {reference})" in start.message
+    assert ": 8 pairs, 0 truncated" in start.message and start.data["objective"] == "dpo"
+    precomputed = [e.message for e in events if "precomputed in" in e.message]
+    assert len(precomputed) == (1 if method == "full" else 0)
+    assert all(m.startswith("Reference log-probabilities of 12 pairs") for m in precomputed)
+    metrics = [e.data for e in events if e.type == "metrics"]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    for m in metrics:
+        assert "train_mean_token_accuracy" not in m
+        assert 0 <= m["rewards/accuracies"] <= 1
+        margin = m["rewards/chosen"] - m["rewards/rejected"]
+        assert m["rewards/margins"] == pytest.approx(margin)
+        assert m["logps/chosen"] < 0 and m["logps/rejected"] < 0
+    # the first step starts at the reference: every pair's loss is log 2 (LoRA and QLoRA
+    # start as the base; full fine-tuning's reference is the model before that step)
+    assert metrics[0]["train_loss"] == pytest.approx(math.log(2), abs=1e-3)
+    assert metrics[-1]["train_loss"] < 0.5 * math.log(2), [m["train_loss"] for m in metrics]
+    assert metrics[-1]["rewards/accuracies"] == 1.0 and metrics[-1]["rewards/margins"] > 0
+    scored = {m["step"]: m for m in metrics if "valid_loss" in m}
+    assert sorted(scored) == [2, 4, 6, 8]
+    assert scored[8]["valid_loss"] < scored[2]["valid_loss"]
+    assert scored[8]["valid_rewards/accuracies"] == 1.0
+    assert scored[8]["valid_rewards/margins"] > scored[2]["valid_rewards/margins"]
+
+    store = ArtifactStore(get_settings().resolved_artifact_root)
+    names = sorted(p.name for p in store.path(store.adapter_key(job_id)).iterdir())
+    full = ["trainable.safetensors", "tunefleet_method.json"]
+    assert names == (full if method == "full" else PEFT_FILES)
+
+
+def test_dpo_continues_a_supervised_jobs_adapter(
+    ray_env: dict[str, Any], runs: dict[str, Any]
+) -> None:
+    """SFT then DPO: a DPO job with tunefleet.init_from_job starts from the supervised
+    job's adapter, and its reference is that adapted model (scores precomputed before the
+    first step, kept in the checkpoints): checked against peft's own load of the
+    supervised adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tunefleet.workers.train._dpo import collate_pairs, sequence_logps
+    from tunefleet.workers.train._loss import LabelledLogits
+    from tunefleet.workers.train.data import load_dataset
+
+    sft_id, error = runs["lora"]
+    assert error is None, error
+    with session_scope(ray_env["url"]) as s:  # what the controller records at its end
+        sft = s.get(Job, sft_id)
+        assert sft is not None
+        sft.status, sft.fine_tuned_model = "succeeded", f"ft:{BIASED}:acme::{sft_id}"
+    lora = CASES["lora"][1]["lora"]
+    named = f"ft:{BIASED}:acme::{sft_id}"
+    job_id = _dpo_job(ray_env, "lora", lora=lora, init_from_job=named, precision="fp32")
+    run(ray_env, job_id)
+    events = _events(ray_env, job_id)
+    start = next(e for e in events if e.message.startswith("Training "))
+    assert f"for DPO (beta 0.5, reference precomputed) from job {sft_id}'s weights" in start.message
+    metrics = [e.data for e in events if e.type == "metrics"]
+    assert len(metrics) == 8 and metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+
+    settings = get_settings()
+    store = ArtifactStore(settings.resolved_artifact_root)
+    final = store.path(store.checkpoint_key(job_id, 8)) / "trainer_state.json"
+    saved = json.loads(final.read_text())["reference_logps"]
+    model_path = settings.resolved_model_registry / BIASED
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    sft_model = PeftModel.from_pretrained(base, str(store.path(store.adapter_key(sft_id)))).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pairs = load_dataset(store.path(store.file_key(ray_env["pairs"])), tokenizer, 64).examples
+    labelled = LabelledLogits(sft_model.get_output_embeddings())
+    with torch.no_grad():
+        logps = sequence_logps(labelled, sft_model, collate_pairs(pairs, tokenizer.pad_token_id)[0])
+    expected = torch.stack([logps[: len(pairs)], logps[len(pairs) :]], 1)
+    assert torch.allclose(torch.tensor(saved["train"]).float(), expected, atol=1e-4)
+    assert len(saved["valid"]) == len(PREFERENCES)

@@ -85,10 +85,12 @@ def insert_job(
     event: FirstEvent,
     *,
     files: dict[str, str],
+    preference: bool = False,
     waiting_cap: int,
 ) -> Row[Any] | None:
     """Store ``job`` and ``event`` where each file of ``files`` (parameter name, id) is
-    usable (the tenant's, for fine-tuning, processed, not preference pairs) and the tenant
+    usable (the tenant's, for fine-tuning, processed, of preference pairs for a
+    ``preference`` (DPO) job and of anything else otherwise) and the tenant
     has fewer than ``waiting_cap`` jobs waiting. The stored job's row (``JOB_COLUMNS``), or
     None when nothing was stored. A unique-key clash (Idempotency-Key) raises
     IntegrityError."""
@@ -98,14 +100,14 @@ def insert_job(
     params.update({f"event_{k}": v for k, v in event.items()})
     params.update({f"file_{param}": file_id for param, file_id in files.items()})
     params["waiting_cap"] = waiting_cap
-    row = conn.execute(_statement(postgres, tuple(files)), params).first()
+    row = conn.execute(_statement(postgres, tuple(files), preference), params).first()
     if row is not None and not postgres:
         conn.execute(_event_insert(), params)
     return row
 
 
 @lru_cache(maxsize=8)
-def _statement(postgres: bool, files: tuple[str, ...]) -> Executable:
+def _statement(postgres: bool, files: tuple[str, ...], preference: bool) -> Executable:
     """The job's conditional insert returning its row, with the event's insert on
     PostgreSQL. Built once per shape: building it per request cost more than running it.
     Values are bound as ``job_<column>``, ``event_<column>`` and ``file_<param>``."""
@@ -128,7 +130,9 @@ def _statement(postgres: bool, files: tuple[str, ...]) -> Executable:
                     file_cols.tenant_id == bindparam("job_tenant_id"),
                     file_cols.purpose == "fine-tune",
                     file_cols.status == "processed",
-                    func.coalesce(file_cols.format, "") != "preference",  # supervised jobs
+                    (file_cols.format == "preference")
+                    if preference
+                    else (func.coalesce(file_cols.format, "") != "preference"),
                 )
             )
         )

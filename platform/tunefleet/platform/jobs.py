@@ -37,9 +37,12 @@ from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.planner import PlanDevice, chart_of_plan, plan_for_spec, resolve_spec
 from tunefleet.platform.spec import (
     BASE_LEARNING_RATE,
+    DpoOptions,
     Integration,
     JobSpec,
+    Objective,
     TuneFleetOptions,
+    dpo_problem,
 )
 from tunefleet.platform.status import JobStatus
 from tunefleet.platform.tenants import Principal
@@ -99,12 +102,45 @@ class SupervisedIn(BaseModel):
     hyperparameters: HyperparametersIn = Field(default_factory=HyperparametersIn)
 
 
+class DpoHyperparametersIn(HyperparametersIn):
+    """OpenAI's DPO hyperparameters: the supervised ones and ``beta``."""
+
+    beta: float | Literal["auto"] = Field(
+        default="auto", description="DPO's beta (above 0, at most 10); auto: 0.1."
+    )
+
+    @field_validator("beta", mode="before")
+    @classmethod
+    def _beta(cls, v: Any) -> Any:
+        if isinstance(v, bool) or (
+            isinstance(v, int | float) and not (math.isfinite(v) and 0 < v <= 10)
+        ):
+            raise ValueError("must be 'auto' or a number above 0 and at most 10")
+        return v
+
+
+class DpoIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hyperparameters: DpoHyperparametersIn = Field(default_factory=DpoHyperparametersIn)
+
+
 class MethodIn(BaseModel):
-    """OpenAI's ``method`` object. TuneFleet trains ``supervised``."""
+    """OpenAI's ``method`` object: ``supervised`` or ``dpo`` (preference tuning)."""
 
     model_config = ConfigDict(extra="forbid")
-    type: Literal["supervised"] = "supervised"
+    type: Literal["supervised", "dpo"] = "supervised"
     supervised: SupervisedIn | None = None
+    dpo: DpoIn | None = None
+
+    @model_validator(mode="after")
+    def _matching_object(self) -> MethodIn:
+        other = "dpo" if self.type == "supervised" else "supervised"
+        if getattr(self, other) is not None:
+            raise ValueError(
+                f"method.type is {self.type!r} but the body sets method.{other}; put the "
+                f"hyperparameters under method.{self.type}"
+            )
+        return self
 
 
 def _too_big(value: Any) -> int | None:
@@ -195,10 +231,22 @@ class JobCreateRequest(BaseModel):
     def asked_hyperparameters(self) -> dict[str, Any]:
         """The hyperparameters as asked (``method`` wins over the deprecated top-level
         ``hyperparameters``), each a value or "auto" (``defaults.settle`` resolves them)."""
-        hp = self.hyperparameters or HyperparametersIn()
+        hp: HyperparametersIn = self.hyperparameters or HyperparametersIn()
         if self.method and self.method.supervised:
             hp = self.method.supervised.hyperparameters
-        return hp.model_dump()
+        if self.method and self.method.dpo:
+            hp = self.method.dpo.hyperparameters
+        asked = hp.model_dump()
+        asked.pop("beta", None)
+        return asked
+
+    @property
+    def objective(self) -> Objective:
+        return self.method.type if self.method else "supervised"
+
+    def asked_beta(self) -> float | Literal["auto"]:
+        dpo = self.method.dpo if self.method else None
+        return dpo.hyperparameters.beta if dpo else "auto"
 
     def asks_auto_from_data(self) -> bool:
         """Whether an "auto" here depends on the training file's size."""
@@ -224,7 +272,9 @@ def _explain_waiting(session: Session, principal: Principal) -> None:
         )
 
 
-def _explain_unusable(session: Session, principal: Principal, file_id: str, param: str) -> None:
+def _explain_unusable(
+    session: Session, principal: Principal, file_id: str, param: str, objective: Objective
+) -> None:
     """Raise the error that says why ``file_id`` cannot be used for a job (missing, wrong
     purpose, not processed). Runs only after an insert found no usable file."""
     files = File.__table__.c
@@ -247,11 +297,18 @@ def _explain_unusable(session: Session, principal: Principal, file_id: str, para
         )
     if status != "processed":
         raise InvalidRequest(f"file {file_id} is {status}, not processed", param=param)
-    if fmt == "preference":
+    if objective == "dpo" and fmt != "preference":
+        raise InvalidRequest(
+            f"file {file_id} holds {fmt or 'supervised'} examples, and a DPO job trains on "
+            "preference pairs: give it a file of lines with input.messages, "
+            "preferred_output and non_preferred_output (OpenAI's preference format)",
+            param=param,
+        )
+    if objective != "dpo" and fmt == "preference":
         raise InvalidRequest(
             f"file {file_id} holds preference pairs (input, preferred_output, "
-            "non_preferred_output), which a supervised job cannot train on; preference "
-            "tuning (method type 'dpo') is not available yet: give this job chat, "
+            "non_preferred_output), which a supervised job cannot train on: create a "
+            'preference tuning job (method: {"type": "dpo"}) or give this job chat, '
             "prompt/completion, alpaca or text data",
             param=param,
         )
@@ -307,13 +364,28 @@ def build_spec(
             "e.g. 'lora' or 'ia3'",
             param="tunefleet.method",
         )
+    objective = req.objective
+    if objective == "dpo" and (problem := dpo_problem(options)):
+        raise InvalidRequest(problem[1], param=problem[0])
     settled = settle(
         req.asked_hyperparameters(),
         method=options.method,
         config=config,
         examples=examples,
         workers=options.resources.num_workers,
+        objective=objective,
     )
+    dpo = None
+    if objective == "dpo":
+        beta = req.asked_beta()
+        dpo = DpoOptions(
+            beta=DpoOptions.model_fields["beta"].default if beta == "auto" else beta,
+            # the adapter switched off is the model a run starts from, unless it starts
+            # from another job's weights
+            reference="adapter_disabled"
+            if options.method in ADAPTER_REFERENCE_METHODS and options.init_from_job is None
+            else "precomputed",
+        )
     spec = JobSpec(
         job_id=job_id,
         tenant_id=tenant_id,
@@ -326,8 +398,14 @@ def build_spec(
         suffix=req.suffix,
         tunefleet=options,
         integrations=tuple(req.integrations or ()),
+        objective=objective,
+        dpo=dpo,
     )
     return spec, settled
+
+
+# Methods whose model, with the adapter switched off, is the base (peft's disable_adapter).
+ADAPTER_REFERENCE_METHODS = ("lora", "qlora", "ia3")
 
 
 def dry_run(
@@ -392,6 +470,8 @@ def create_job(
     spec, settled = build_spec(
         req, job_id=job_id, tenant_id=principal.tenant_id, config=config, examples=examples
     )
+    if spec.tunefleet.init_from_job is not None:
+        spec = _start_from(session, principal, spec)
     plan = None
     if device is not None:
         spec, plan = resolve_spec(
@@ -432,13 +512,76 @@ def create_job(
     files = {"training_file": req.training_file}
     if req.validation_file:
         files["validation_file"] = req.validation_file
-    stored = insert_job(session, job, event, files=files, waiting_cap=principal.max_waiting_jobs)
+    stored = insert_job(
+        session,
+        job,
+        event,
+        files=files,
+        preference=spec.is_dpo,
+        waiting_cap=principal.max_waiting_jobs,
+    )
     if stored is None:
         for param, file_id in files.items():
-            _explain_unusable(session, principal, file_id, param)
+            _explain_unusable(session, principal, file_id, param, spec.objective)
         _explain_waiting(session, principal)
         raise AssertionError("unreachable: the job was insertable but not inserted")
     return stored
+
+
+# The options that shape a method's trained weights: a job starting from another's must
+# train the same ones.
+_SHAPE_OPTIONS = {"lora": ("lora",), "qlora": ("lora", "qlora"), "ia3": ("ia3",),
+                  "adapter": ("adapter",)}  # fmt: skip
+
+
+def _start_from(session: Session, principal: Principal, spec: JobSpec) -> JobSpec:
+    """``spec`` starting from the weights of the tenant's succeeded job that
+    ``tunefleet.init_from_job`` names (its id or fine_tuned_model), with that job's id;
+    refused, naming the fix, when that job trained another model, method or shape."""
+    opts, param = spec.tunefleet, "tunefleet.init_from_job"
+    named = opts.init_from_job
+    source = session.scalars(
+        select(Job).where(
+            Job.tenant_id == principal.tenant_id,
+            (Job.id == named) | (Job.fine_tuned_model == named),
+        )
+    ).first()
+    if source is None:
+        raise NotFound(
+            f"no fine-tuning job {named!r} to start from; give the id or fine_tuned_model "
+            "of one of your succeeded jobs",
+            param=param,
+        )
+    if source.status != JobStatus.SUCCEEDED.value:
+        raise InvalidRequest(
+            f"job {source.id} is {source.status}; a job starts only from the weights of a "
+            "succeeded job",
+            param=param,
+        )
+    trained = source.spec["tunefleet"]
+    if source.model != spec.model:
+        raise InvalidRequest(
+            f"job {source.id} trained {source.model!r}, not {spec.model!r}: set model to "
+            f"{source.model!r}",
+            param="model",
+        )
+    if trained["method"] != opts.method:
+        raise InvalidRequest(
+            f"job {source.id} trained tunefleet.method {trained['method']!r}; this job's is "
+            f"{opts.method!r}: set it to {trained['method']!r} to continue its weights",
+            param="tunefleet.method",
+        )
+    for key in _SHAPE_OPTIONS.get(opts.method, ()):
+        mine = getattr(opts, key).model_dump(mode="json")
+        if mine != trained.get(key, mine):
+            raise InvalidRequest(
+                f"job {source.id} trained with tunefleet.{key} {trained[key]}, and this job "
+                f"asks for {mine}: send the same tunefleet.{key} to continue its weights",
+                param=f"tunefleet.{key}",
+            )
+    return spec.model_copy(
+        update={"tunefleet": opts.model_copy(update={"init_from_job": source.id})}
+    )
 
 
 def get_job(session: Session, principal: Principal, job_id: str) -> Job:
@@ -470,7 +613,7 @@ def job_view(job: Job | Row[Any]) -> dict[str, Any]:
         "training_file": job.training_file,
         "validation_file": job.validation_file,
         "hyperparameters": hp,
-        "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
+        "method": _method_view(spec, hp),
         "trained_tokens": job.trained_tokens,
         "estimated_finish": job.estimated_finish,
         "error": job.error,
@@ -483,11 +626,19 @@ def job_view(job: Job | Row[Any]) -> dict[str, Any]:
         "tunefleet": {
             **spec["tunefleet"],
             "learning_rate": _learning_rate(spec),
+            "dpo": spec.get("dpo"),
             "file_stats": job.stats,
             "plan": job.plan,
             "unused_request_fields": extra,
         },
     }
+
+
+def _method_view(spec: dict[str, Any], hp: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``method`` object of a stored spec."""
+    if spec.get("objective") == "dpo":
+        return {"type": "dpo", "dpo": {"hyperparameters": {**hp, "beta": spec["dpo"]["beta"]}}}
+    return {"type": "supervised", "supervised": {"hyperparameters": hp}}
 
 
 def _learning_rate(spec: dict[str, Any]) -> float:

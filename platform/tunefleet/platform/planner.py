@@ -158,6 +158,11 @@ class PlanInput:
     ia3_feedforward: tuple[str, ...] = ("down_proj",)
     virtual_tokens: int = 16
     bottleneck: int = 64
+    # DPO: a pair's two sequences go through the model together (2 per example; their
+    # shared prompt once, which the plan does not count: an upper bound), and its
+    # reference is the model with the adapter off or scores taken before the first step
+    sequences_per_example: int = 1
+    reference: Literal["none", "adapter_disabled", "precomputed"] = "none"
 
 
 @dataclass
@@ -326,7 +331,7 @@ def plan_memory(shape: ModelShape, inp: PlanInput) -> Breakdown:
 
     # Activations: every layer keeps its saved tensors, or only its input when
     # checkpointed (plus one layer recomputed during backward).
-    tokens = inp.per_device_batch * inp.seq_len
+    tokens = inp.per_device_batch * inp.seq_len * inp.sequences_per_example
     per_layer = activation_bytes_per_layer(shape, inp) * tokens
     # the residual stream is in the weights' dtype: fp32 master weights or a 16-bit base
     layer_input = shape.hidden_size * (4 if inp.method == "full" else wbytes) * tokens
@@ -337,6 +342,23 @@ def plan_memory(shape: ModelShape, inp: PlanInput) -> Breakdown:
     b.activations += autocast_weight_copies(shape, inp)
     # Logits in the compute dtype, their fp32 copy for the loss, and its gradient.
     b.logits = tokens * shape.vocab_size * (wbytes + 4 + 4)
+    if inp.sequences_per_example > 1:
+        b.notes.append(
+            f"DPO: each pair's {inp.sequences_per_example} sequences in one forward pass, "
+            f"planned at {tokens:,} tokens for {inp.per_device_batch} pairs (a pair's row "
+            "holds its prompt once, so fewer)"
+        )
+    if inp.reference == "adapter_disabled":
+        b.notes.append(
+            "DPO reference: the base with the adapter switched off, no second copy of the "
+            "weights (its forward keeps no activations)"
+        )
+    elif inp.reference == "precomputed":
+        b.notes.append(
+            "DPO reference: log-probabilities precomputed once before the first step (one "
+            "forward pass over the data; 16 bytes per pair, kept in checkpoints), no frozen "
+            "copy of the weights"
+        )
     return b
 
 
@@ -509,6 +531,8 @@ def plan_input_from_spec(spec: JobSpec) -> PlanInput:
         ia3_feedforward=tuple(opts.ia3.feedforward_modules),
         virtual_tokens=opts.virtual_tokens.num_virtual_tokens,
         bottleneck=opts.adapter.bottleneck,
+        sequences_per_example=2 if spec.dpo else 1,
+        reference=spec.dpo.reference if spec.dpo else "none",
     )
 
 
@@ -537,6 +561,7 @@ def resolve_spec(
         device_bytes,
         host_bytes,
         "probe_micro_batch" in spec.tunefleet.model_fields_set,
+        spec.dpo.reference if spec.dpo else None,
     )
     hit = _RESOLVED.get(key)
     if hit is None:

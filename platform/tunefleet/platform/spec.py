@@ -254,6 +254,14 @@ class TuneFleetOptions(_Frozen):
         "planner's chart (DDP, DDP + gradient checkpointing, ZeRO-3, ZeRO-3 + offload).",
     )
     resources: Resources = Field(default_factory=Resources, description="Cluster resources.")
+    init_from_job: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="Start from the trained weights of this succeeded job of the tenant "
+        "(same model and method), e.g. preference tuning (DPO) a supervised job's adapter; "
+        "its job id or fine_tuned_model name.",
+    )
     priority: int = Field(default=0, ge=-100, le=100, description="Higher runs first.")
 
     @property
@@ -320,6 +328,50 @@ class Hyperparameters(_Frozen):
     n_epochs: int = Field(ge=1, le=50)
     batch_size: int = Field(ge=1, le=4096)
     learning_rate_multiplier: float = Field(gt=0, le=100)
+
+
+# What a job trains for: OpenAI's ``method.type``. ``supervised``: the next tokens of its
+# examples; ``dpo``: Direct Preference Optimization (Rafailov et al., 2023) on pairs of a
+# preferred and a non-preferred answer.
+Objective = Literal["supervised", "dpo"]
+# Methods DPO trains: their reference model is the model the run starts from. Prefix and
+# prompt tuning start from random virtual tokens, not from the base.
+DPO_METHODS = ("lora", "qlora", "full", "ia3", "bitfit", "adapter")
+
+
+def dpo_problem(opts: TuneFleetOptions) -> tuple[str, str] | None:
+    """The option of ``opts`` a DPO job cannot have, and why (None: none)."""
+    if opts.method not in DPO_METHODS:
+        return "tunefleet.method", (
+            f"tunefleet.method {opts.method!r} cannot be preference tuned: its virtual "
+            "tokens start random, so the model it starts from is not the base DPO compares "
+            f"against; use one of {', '.join(DPO_METHODS)}"
+        )
+    if opts.packing:
+        return "tunefleet.packing", (
+            "tunefleet.packing: a DPO job compares each pair's answers as whole sequences "
+            "and is not packed; leave packing off"
+        )
+    return None
+
+
+class DpoOptions(_Frozen):
+    """DPO's knobs, settled. ``reference`` is how the run gets the reference model's
+    log-probabilities: ``adapter_disabled`` runs the base with the adapter switched off
+    (LoRA, QLoRA, (IA)^3: no second copy in memory); ``precomputed`` scores every pair
+    once before the first step, with the model the run starts from (full fine-tuning,
+    BitFit, bottleneck adapters, and any job that starts from another job's weights)."""
+
+    beta: float = Field(
+        default=0.1,
+        gt=0,
+        le=10,
+        description="How far the policy may move from the reference (DPO's beta): lower "
+        "follows the preferences more strongly.",
+    )
+    reference: Literal["adapter_disabled", "precomputed"] = Field(
+        description="Where the reference log-probabilities come from."
+    )
 
 
 class WandbOptions(_Frozen):
@@ -426,6 +478,24 @@ class JobSpec(_Frozen):
     integrations: tuple[Integration, ...] = Field(
         default=(), max_length=5, description="Where else the job reports its metrics."
     )
+    objective: Objective = Field(
+        default="supervised", description="OpenAI's method.type: supervised or dpo."
+    )
+    dpo: DpoOptions | None = Field(default=None, description="DPO's settings (dpo jobs).")
+
+    @model_validator(mode="after")
+    def _objective(self) -> JobSpec:
+        """A DPO job has its settings, trains a method DPO can, and is not packed."""
+        opts = self.tunefleet
+        if (self.objective == "dpo") != (self.dpo is not None):
+            raise ValueError("dpo settings go with objective 'dpo', and only with it")
+        if self.objective == "dpo" and (problem := dpo_problem(opts)):
+            raise ValueError(problem[1])
+        return self
+
+    @property
+    def is_dpo(self) -> bool:
+        return self.objective == "dpo"
 
     @property
     def learning_rate(self) -> float:

@@ -108,17 +108,22 @@ class Channels:
 
 # -- Ray's side (the controller through RayBackend, the driver, the loop's rank 0) ------
 
+# The hub's handle, and the connection it was got on (a process that shuts Ray down and
+# connects again, to this cluster or another, gets it again: a handle is per connection)
 _hub: Any = None
+_hub_connection: tuple[str, str] | None = None
 
 
 def hub() -> Any:
     """The channels' actor (named ``run-channels`` in the ``tunefleet`` namespace,
     detached, on the head: a worker node that goes away must not take the runs' words
     with it), created by the first process that asks."""
-    global _hub
-    if _hub is None:
-        import ray
+    global _hub, _hub_connection
+    import ray
 
+    context = ray.get_runtime_context()
+    connection = (context.gcs_address, context.get_job_id())
+    if _hub is None or _hub_connection != connection:
         actor: Any = ray.remote(Channels)
         _hub = actor.options(
             name=HUB,
@@ -128,11 +133,9 @@ def hub() -> Any:
             num_cpus=0,
             resources={"node:__internal_head__": 0.001},
         ).remote()
-        log.info(
-            "run channels: actor %s on the Ray cluster at %s",
-            _hub._actor_id.hex(),
-            ray.get_runtime_context().gcs_address,
-        )
+        _hub_connection = connection
+        log.info("run channels: actor %s on the Ray cluster at %s", _hub._actor_id.hex(),
+                 context.gcs_address)  # fmt: skip
     return _hub
 
 

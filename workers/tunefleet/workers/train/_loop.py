@@ -38,8 +38,9 @@ from tunefleet.workers.train import _checkpoint as ckpt_files
 from tunefleet.workers.train import _metrics as train_metrics
 from tunefleet.workers.train import _probe as probe
 from tunefleet.workers.train import _sharding as sharding
+from tunefleet.workers.train._dpo import Reference, collate_pairs, dpo_loss, sequence_logps
 from tunefleet.workers.train._loss import LabelledLogits, correct_tokens, mean_loss
-from tunefleet.workers.train._methods import build_model
+from tunefleet.workers.train._methods import build_model, load_weights
 from tunefleet.workers.train._trackers import Trackers, job_config
 from tunefleet.workers.train.data import (
     collate,
@@ -47,6 +48,7 @@ from tunefleet.workers.train.data import (
     epoch_order,
     load_dataset,
     pack,
+    unit_tokens,
 )
 
 # How long the chief waits at a checkpoint for the controller to write its reports (the
@@ -115,9 +117,8 @@ def probe_micro_batch(
     spec: JobSpec,
     model: Any,
     units: list[Any],
-    make_batch: Any,
+    step_loss: Any,
     autocast: Any,
-    labelled: LabelledLogits,
     *,
     start: int,
     share: int,
@@ -128,7 +129,7 @@ def probe_micro_batch(
     examples per size tried, with the optimizer states the run will add held in memory
     meanwhile; every rank tries the same sizes and a size fits only if it fits on all.
     Returns the micro-batch and a sentence for the job's events."""
-    longest = sorted(units, key=lambda u: -len(u.input_ids))
+    longest = sorted(units, key=lambda u: -unit_tokens(u))
     trainable = sum(  # this worker's share where FSDP shards them
         (p.to_local() if hasattr(p, "to_local") else p).numel()
         for p in model.parameters()
@@ -139,9 +140,8 @@ def probe_micro_batch(
 
     def attempt(size: int) -> None:
         reserve = torch.zeros(state_bytes, dtype=torch.uint8, device=device)  # noqa: F841
-        batch, _ = make_batch([longest[i % len(longest)] for i in range(size)])
         with autocast:
-            loss = mean_loss(*labelled(model, batch))
+            loss = step_loss([longest[i % len(longest)] for i in range(size)])
         loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -161,6 +161,22 @@ def probe_micro_batch(
         + (f"; step peak {peak / 2**20:.0f} MiB" if peak is not None else "")
         + "); "
     )
+
+
+def preference_metrics(counts: Counts, prefix: str = "") -> dict[str, float]:
+    """DPO's metrics over the pairs of ``counts`` (TRL's names): the mean implicit reward
+    of the chosen and of the rejected answers, their mean margin, the share of pairs
+    whose chosen answer has the higher reward, and the policy's mean log-probabilities of
+    each answer."""
+    pairs = max(counts.samples, 1)
+    return {
+        f"{prefix}rewards/chosen": counts.chosen_rewards / pairs,
+        f"{prefix}rewards/rejected": counts.rejected_rewards / pairs,
+        f"{prefix}rewards/margins": (counts.chosen_rewards - counts.rejected_rewards) / pairs,
+        f"{prefix}rewards/accuracies": counts.preferred / pairs,
+        f"{prefix}logps/chosen": counts.chosen_logps / pairs,
+        f"{prefix}logps/rejected": counts.rejected_logps / pairs,
+    }
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -190,18 +206,28 @@ class TrainState:
 
 @dataclass
 class Counts:
-    """Tokens, examples and label tokens (and labels predicted right) over all workers."""
+    """Tokens, examples and label tokens (and labels predicted right) over all workers;
+    for DPO, sums over pairs of the rewards, of the policy's log-probabilities, and of the
+    pairs whose chosen answer has the higher reward."""
 
-    tokens: int = 0
-    samples: int = 0
-    labels: int = 0
-    correct: int = 0
+    tokens: float = 0
+    samples: float = 0
+    labels: float = 0
+    correct: float = 0
+    computed: float = 0  # tokens the model ran (a pair's prompt once), for MFU
+    chosen_rewards: float = 0
+    rejected_rewards: float = 0
+    chosen_logps: float = 0
+    rejected_logps: float = 0
+    preferred: float = 0
+    pair_losses: float = 0  # evaluation: the pairs' summed loss
 
     def add(self, other: Counts) -> None:
-        self.tokens += other.tokens
-        self.samples += other.samples
-        self.labels += other.labels
-        self.correct += other.correct
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def values(self) -> list[float]:
+        return [getattr(self, name) for name in self.__dataclass_fields__]
 
 
 class Worker:
@@ -218,6 +244,9 @@ class Worker:
         self.reporter = ChannelReporter(self.run_id)
         self.trackers: Trackers | None = None  # the job's integrations (the chief's, once set up)
         self.device = ray.train.torch.get_device()
+
+        # the driver's store; this node's cache (its own settings say where that is)
+        store = open_store(**config["store"], cache_dir=get_settings().resolved_artifact_cache)
 
         # -- the model -----------------------------------------------------------------
         load_started = time.perf_counter()
@@ -238,6 +267,8 @@ class Worker:
         )
         if self.ckpt_dir is not None:
             ckpt_files.load_model(self.ckpt_dir, built)
+        elif config.get("init_key"):  # the weights of the job it starts from
+            load_weights(store.local_copy(config["init_key"]), built)
         if spec.tunefleet.precision == "fp8":
             enable_fp8(built.model)
         # the output layer runs only where a label is (loss.py); hooked before any wrapping
@@ -264,13 +295,28 @@ class Worker:
         )
         self.model_load_s = time.perf_counter() - load_started
 
+        # DPO's reference log-probabilities (dpo.py): the model with its adapter off, or
+        # scores taken before the first step (``resume``)
+        self.reference = (
+            Reference(
+                spec.dpo.reference,
+                peft_model=built.model,
+                labelled=self.labelled,
+            )
+            if spec.dpo is not None
+            else None
+        )
+
         # -- the data ------------------------------------------------------------------
-        # the driver's store; this node's cache (its own settings say where that is)
-        store = open_store(**config["store"], cache_dir=get_settings().resolved_artifact_cache)
         max_len = spec.tunefleet.max_seq_len
         self.data = load_dataset(store.local_copy(config["train_key"]), tokenizer, max_len)
         if not self.data.examples:
             raise ValueError("the training file has no example with tokens to learn from")
+        if self.data.preference != spec.is_dpo:
+            raise ValueError(
+                "a DPO job trains on preference pairs, and a supervised job on anything else: "
+                f"this {spec.objective} job's training file does not match"
+            )
         # Evaluation data: never packed; every worker scores its share.
         self.validation = (
             load_dataset(store.local_copy(config["validation_key"]), tokenizer, max_len)
@@ -299,9 +345,8 @@ class Worker:
                     spec,
                     self.model,
                     self.units,
-                    self.make_batch,
+                    lambda picked: self.loss_and_counts(picked, None)[0],
                     self.autocast,
-                    self.labelled,
                     start=self.micro,
                     share=share,
                     world=self.world,
@@ -327,11 +372,9 @@ class Worker:
             compute = {"bf16": torch.bfloat16, "fp16": torch.float16}
             dtype = compute.get(spec.tunefleet.precision, torch.float32)
             self.peak_flops, self.peak_source = train_metrics.device_peak_flops(self.device, dtype)
+        sequences = len(self.data.examples) * (2 if self.data.preference else 1)
         self.flops_per_token = train_metrics.flops_per_token(
-            built.total,
-            built.trainable,
-            built.model.config,
-            self.data.tokens / len(self.data.examples),
+            built.total, built.trainable, built.model.config, self.data.tokens / sequences
         )
         self.head_flops = train_metrics.output_layer_flops(
             built.total, built.trainable, built.model.config
@@ -342,11 +385,49 @@ class Worker:
         return dist.is_available() and dist.is_initialized() and self.world > 1
 
     def make_batch(self, picked: list[Any]) -> tuple[dict[str, torch.Tensor], int]:
-        """The model's inputs and their real (not padding) token count."""
-        tokens = sum(len(u.input_ids) for u in picked)
+        """The model's inputs and the real (not padding) tokens it computes: a pair is one
+        row, its prompt computed once for both answers (``dpo.collate_pairs``)."""
+        if self.reference is not None:
+            return collate_pairs(picked, self.pad_id)
+        tokens = sum(unit_tokens(u) for u in picked)
         if self.spec.tunefleet.packing:
             return collate_packed(picked, self.pad_id), tokens
         return collate(picked, self.pad_id), tokens
+
+    def loss_and_counts(
+        self, picked: list[Any], indices: list[int] | None, split: str = "train"
+    ) -> tuple[torch.Tensor, Counts]:
+        """The loss of a micro-batch of units (run under autocast), and its counts on this
+        worker. For DPO, ``indices`` are the pairs' places in ``split`` (their precomputed
+        reference scores); None (the micro-batch probe) compares against zeros."""
+        batch, computed = self.make_batch(picked)
+        tokens = sum(unit_tokens(u) for u in picked)  # a pair's: both sequences'
+        samples = sum(len(getattr(u, "lengths", (u,))) for u in picked)  # packed rows
+        if self.reference is None:
+            logits, targets = self.labelled(self.model, batch)
+            correct = int(correct_tokens(logits, targets))
+            return mean_loss(logits, targets), Counts(
+                tokens, samples, len(targets), correct, computed=computed
+            )
+        assert self.spec.dpo is not None
+        if indices is None and self.reference.kind == "precomputed":
+            reference = torch.zeros(2 * len(picked), device=self.device)
+        else:
+            reference = self.reference.logps(batch, split, indices or [])
+        policy = sequence_logps(self.labelled, self.model, batch)
+        loss, chosen, rejected = dpo_loss(policy, reference, self.spec.dpo.beta)
+        logps = policy.detach()
+        return loss, Counts(
+            tokens,
+            samples,
+            len(batch["targets"]),
+            computed=computed,
+            chosen_rewards=float(chosen.sum()),
+            rejected_rewards=float(rejected.sum()),
+            chosen_logps=float(logps[: len(picked)].sum()),
+            rejected_logps=float(logps[len(picked) :].sum()),
+            preferred=float((chosen > rejected).sum()),
+        )
 
     # -- the run's start -----------------------------------------------------------------
     def resume(self) -> TrainState:
@@ -368,8 +449,42 @@ class Worker:
                 )
                 state.step, state.trained_tokens = int(saved["step"]), int(saved["trained_tokens"])
                 state.saved.append(state.step)
+                if self.reference is not None and self.reference.kind == "precomputed":
+                    self.reference.restore(saved["reference_logps"])
         state.epoch = state.step // self.steps_per_epoch
+        # a fresh run's model is still the one it starts from
+        if self.reference is not None and self.reference.kind == "precomputed" and not state.step:
+            self.precompute_reference()
         return state
+
+    def precompute_reference(self) -> None:
+        """Score every training and validation pair with the model as it starts (DPO's
+        ``precomputed`` reference), in eval mode; checkpoints keep the scores."""
+        assert self.reference is not None
+        started = time.perf_counter()
+        self.model.eval()
+        splits = {"train": self.data.examples}
+        if self.validation is not None:
+            splits["valid"] = self.validation.examples
+        for split, pairs in splits.items():
+
+            def score(picked: list[Any]) -> torch.Tensor:
+                with self.autocast:
+                    return sequence_logps(self.labelled, self.model, self.make_batch(picked)[0])
+
+            self.reference.precompute(
+                split, pairs, score, micro=self.micro, rank=self.rank, world=self.world,
+                device=self.device,
+            )  # fmt: skip
+        self.model.train()
+        if self.is_chief:
+            self.reporter.post(
+                "message",
+                message=(
+                    f"Reference log-probabilities of {sum(map(len, splits.values()))} "
+                    f"pairs precomputed in {time.perf_counter() - started:.1f}s"
+                ),
+            )
 
     def announce(self, state: TrainState, entered: float) -> None:
         """The run's first event: what it trains, how, and where its workers run (rank by
@@ -390,16 +505,24 @@ class Worker:
                 environment=self.config.get("integration_env"),
             )
         resumed = f", resumed at step {state.step}" if state.step else ""
+        dpo = self.spec.dpo
+        objective = (
+            f" for DPO (beta {dpo.beta:g}, reference {dpo.reference.replace('_', ' ')})"
+            if dpo is not None
+            else ""
+        )
+        started_from = f" from job {opts.init_from_job}'s weights" if opts.init_from_job else ""
         self.reporter.post(
             "message",
             message=(
-                f"Training {self.total_steps} steps of {opts.method} in "
+                f"Training {self.total_steps} steps of {opts.method}{objective}"
+                f"{started_from} in "
                 f"{opts.precision} on {self.world} worker(s)"
                 f"{f' sharded ({self.strategy})' if self.sharded else ''}"
                 f"{', compiled' if opts.compile else ''} ({self.micro} examples x "
                 f"{self.accum} micro-batch(es) per worker per step"
                 f"{', gradient checkpointing' if opts.run_checkpointing else ''}"
-                f"): {len(self.data.examples)} examples"
+                f"): {len(self.data.examples)} {'pairs' if dpo else 'examples'}"
                 f"{f' packed into {len(self.units)} rows' if opts.packing else ''}, "
                 f"{self.data.truncated} truncated to {opts.max_seq_len} tokens; "
                 f"{self.probed}"
@@ -415,6 +538,7 @@ class Worker:
                 "flops_per_token": self.flops_per_token,
                 "output_layer_flops_per_token": self.head_flops,  # at labelled positions
                 "method": opts.method,
+                "objective": self.spec.objective,
                 "nodes": nodes,
                 "strategy": self.strategy if self.sharded or self.world > 1 else "single",
                 "pid": os.getpid(),
@@ -457,7 +581,7 @@ class Worker:
                 trained_at = time.perf_counter()  # throughput leaves out the evaluation
                 evaluated = self.evaluate() if self.evaluates_at(state.step) else {}
                 norm = float(sharding.local_value(grad_norm))  # every rank: may communicate
-                state.trained_tokens += counts.tokens
+                state.trained_tokens += int(counts.tokens)
                 state.last_loss = loss
                 window.add(counts)
                 if self.is_chief:
@@ -500,33 +624,24 @@ class Worker:
         model, micro, accum = self.model, self.micro, self.accum
         step_loss, local = 0.0, Counts()
         for a in range(accum):
-            picked = [self.units[i] for i in picks[a * micro : (a + 1) * micro]]
-            batch, tokens = self.make_batch(picked)
-            # a packed row holds several examples
-            local.samples += sum(len(getattr(u, "lengths", (u,))) for u in picked)
+            indices = picks[a * micro : (a + 1) * micro]
             # DDP all-reduces (FSDP reduce-scatters) gradients on the last micro-batch only.
             sync = a == accum - 1 or not hasattr(model, "no_sync")
             if self.sharded:
                 model.set_requires_gradient_sync(a == accum - 1)
             with contextlib.nullcontext() if sync else model.no_sync():
                 with self.autocast:
-                    logits, targets = self.labelled(model, batch)
-                    loss = mean_loss(logits, targets)
+                    loss, counts = self.loss_and_counts([self.units[i] for i in indices], indices)
                 self.scaler.scale(loss / accum).backward()
-            local.labels += len(targets)
-            local.correct += int(correct_tokens(logits, targets))
+            local.add(counts)
             step_loss += float(loss.detach()) / accum
-            local.tokens += tokens
         self.scaler.unscale_(self.optimizer)  # true gradients for clipping (fp16 only)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trained_params, 1.0)
         self.scaler.step(self.optimizer)  # skipped when fp16 gradients overflowed
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        tokens, samples, labels, correct = self.global_sum(
-            local.tokens, local.samples, local.labels, local.correct
-        )
-        return step_loss, Counts(tokens, samples, labels, correct), grad_norm
+        return step_loss, self.global_sum(local), grad_norm
 
     def report_metrics(
         self,
@@ -541,18 +656,23 @@ class Worker:
         evaluated: dict[str, float],
     ) -> None:
         """The chief's metrics event of a step (``window``: the steps since the last)."""
-        metrics = {
-            "train_loss": loss,
+        metrics: dict[str, Any] = {"train_loss": loss}
+        if self.reference is None:
             # OpenAI's: argmax = label, over the step's label tokens on all workers
-            "train_mean_token_accuracy": counts.correct / counts.labels if counts.labels else None,
+            metrics["train_mean_token_accuracy"] = (
+                counts.correct / counts.labels if counts.labels else None
+            )
+        else:
+            metrics.update(preference_metrics(counts))
+        metrics |= {
             "learning_rate": self.scheduler.get_last_lr()[0],
             "grad_norm": grad_norm,
-            "step_tokens": window.tokens,  # real tokens, all workers
+            "step_tokens": int(window.tokens),  # real tokens, all workers
             "tokens_per_s": window.tokens / elapsed,
             "samples_per_s": window.samples / elapsed,
             "mfu": train_metrics.mfu(
-                tokens=window.tokens,
-                labels=window.labels,
+                tokens=int(window.computed),
+                labels=int(window.labels),
                 flops_per_token=self.flops_per_token,
                 output_layer_flops=self.head_flops,
                 seconds=elapsed,
@@ -573,13 +693,13 @@ class Worker:
             eta_s=(self.total_steps - state.step) / rate if rate > 0 else None,
         )
 
-    def global_sum(self, *local: int) -> list[int]:
+    def global_sum(self, local: Counts) -> Counts:
         """Counts summed over all workers."""
         if self.distributed:
-            total = torch.tensor(local, device=self.device)
+            total = torch.tensor(local.values(), dtype=torch.float64, device=self.device)
             dist.all_reduce(total)
-            return [int(v) for v in total.tolist()]
-        return list(local)
+            return Counts(*total.tolist())
+        return local
 
     # -- evaluation ----------------------------------------------------------------------
     def evaluates_at(self, step: int) -> bool:
@@ -600,6 +720,8 @@ class Worker:
         share."""
         validation, micro, model = self.validation, self.micro, self.model
         assert validation is not None
+        if self.reference is not None:
+            return self.evaluate_preferences()
         share = validation.examples[self.rank :: self.world]
         passes = math.ceil(math.ceil(len(validation.examples) / self.world) / micro)
         # loss sum, correct, label tokens
@@ -626,6 +748,33 @@ class Worker:
             "valid_mean_token_accuracy": accuracy,
             "full_valid_loss": loss,
             "full_valid_mean_token_accuracy": accuracy,
+        }
+
+    def evaluate_preferences(self) -> dict[str, float]:
+        """DPO's loss and metrics over every pair of the validation file, as ``evaluate``
+        runs its passes."""
+        validation, micro, dpo = self.validation, self.micro, self.spec.dpo
+        assert validation is not None and dpo is not None
+        mine = list(range(self.rank, len(validation.examples), self.world))
+        passes = math.ceil(math.ceil(len(validation.examples) / self.world) / micro)
+        totals = Counts()
+        self.model.eval()
+        with torch.no_grad():
+            for i in range(passes):
+                chunk = mine[i * micro : (i + 1) * micro]
+                picked = [validation.examples[j] for j in chunk] or validation.examples[:1]
+                with self.autocast:
+                    loss, counts = self.loss_and_counts(picked, chunk or [0], "valid")
+                if chunk:
+                    counts.pair_losses = float(loss) * len(chunk)
+                    totals.add(counts)
+        self.model.train()
+        totals = self.global_sum(totals)
+        mean = totals.pair_losses / max(totals.samples, 1)
+        return {
+            "valid_loss": mean,
+            "full_valid_loss": mean,
+            **preference_metrics(totals, "valid_"),
         }
 
     # -- stopping and checkpoints ------------------------------------------------------
@@ -695,6 +844,11 @@ class Worker:
                             "step": state.step,
                             "trained_tokens": state.trained_tokens,
                             "micro_batch": self.micro,
+                            **(
+                                {"reference_logps": self.reference.saved()}
+                                if self.reference is not None and self.reference.scores
+                                else {}
+                            ),
                         },
                         rng=rng,
                         scaler=self.scaler,

@@ -20,22 +20,34 @@ import torch.nn.functional as F
 
 from tunefleet.workers.train.data import IGNORE
 
+# What a batch may carry besides the model's inputs: the labels (-100 where none), or the
+# labelled positions given outright, flattened over the batch, with their targets (and the
+# sequence each belongs to: ``dpo.collate_pairs``, where one position predicts two tokens)
+NOT_MODEL_INPUTS = ("labels", "predicted_from", "targets", "sequence")
+
 
 class LabelledLogits:
     """``logits, targets = labelled(model, batch)``: the logits at the positions whose
     next token has a label, flattened over the batch (``[K, vocab]``), and those labels
-    (``[K]``). ``output_layer`` is the model's (``get_output_embeddings()``); it is hooked
-    for the object's lifetime and acts only inside a call."""
+    (``[K]``); or, for a batch with ``predicted_from`` (flat positions) and ``targets``,
+    the logits at those positions and those targets. ``output_layer`` is the model's
+    (``get_output_embeddings()``); it is hooked for the object's lifetime and acts only
+    inside a call."""
 
     def __init__(self, output_layer: torch.nn.Module):
-        self._labels: torch.Tensor | None = None
+        self._batch: dict[str, torch.Tensor] | None = None
         self._targets: torch.Tensor | None = None
         output_layer.register_forward_pre_hook(self._select)
 
     def _select(self, _module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if self._labels is None:
+        if self._batch is None:
             return None
-        hidden, labels = args[0], self._labels
+        if "predicted_from" in self._batch:
+            hidden = args[0]
+            self._targets = self._batch["targets"]
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            return (flat[self._batch["predicted_from"]], *args[1:])
+        hidden, labels = args[0], self._batch["labels"]
         # prompt tuning puts its virtual tokens before the inputs (unlabelled; the last
         # one predicts the first input token, as in peft's own loss)
         extra = hidden.shape[1] - labels.shape[1]
@@ -53,12 +65,12 @@ class LabelledLogits:
     def __call__(
         self, model: Any, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._labels = batch["labels"]
+        self._batch = batch
         try:
-            out = model(**{k: v for k, v in batch.items() if k != "labels"})
+            out = model(**{k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS})
             targets = self._targets
         finally:
-            self._labels = self._targets = None
+            self._batch = self._targets = None
         if targets is None:
             raise RuntimeError("the model did not call its output layer")
         return out.logits, targets

@@ -3,7 +3,8 @@
 Loss is computed only on what the model should learn to write: assistant turns with
 weight 1 (chat, alpaca) or the completion (prompt/completion); ``text`` trains on every
 token. Labels of other tokens are -100. Examples longer than ``max_seq_len`` are truncated
-and counted.
+and counted. A preference line (DPO) becomes a ``PreferencePair``: the prompt with each
+answer, labelled on the answer alone.
 """
 
 from __future__ import annotations
@@ -30,13 +31,41 @@ class Example:
 
 
 @dataclass
+class PreferencePair:
+    """A prompt with its preferred (``chosen``) and non-preferred (``rejected``) answer:
+    two whole sequences, each labelled on its answer (and the end-of-turn text the chat
+    template writes after it), never on the prompt."""
+
+    chosen: Example
+    rejected: Example
+
+    @property
+    def sequences(self) -> tuple[Example, Example]:
+        return self.chosen, self.rejected
+
+
+Unit = Example | PreferencePair
+
+
+def unit_tokens(unit: Any) -> int:
+    """The tokens of an example, a packed row, or both sequences of a pair."""
+    if isinstance(unit, PreferencePair):
+        return len(unit.chosen.input_ids) + len(unit.rejected.input_ids)
+    return len(unit.input_ids)
+
+
+@dataclass
 class TokenizedDataset:
-    examples: list[Example]
+    examples: list[Any]  # Example, or PreferencePair for a preference file
     truncated: int
 
     @property
     def tokens(self) -> int:
-        return sum(len(e.input_ids) for e in self.examples)
+        return sum(unit_tokens(e) for e in self.examples)
+
+    @property
+    def preference(self) -> bool:
+        return bool(self.examples) and isinstance(self.examples[0], PreferencePair)
 
 
 def _marker(i: int) -> str:
@@ -145,8 +174,22 @@ def _prompt_completion(tokenizer: Any, prompt: str, completion: str) -> Example:
     return Example([*p, *c], [IGNORE] * len(p) + list(c))
 
 
-def tokenize_example(tokenizer: Any, obj: dict[str, Any]) -> Example:
+def _preference_pair(tokenizer: Any, obj: dict[str, Any]) -> PreferencePair:
+    """Both answers after the prompt, rendered by the chat template; assistant turns of
+    the prompt are context, not trained."""
+    prompt = [
+        {**m, "weight": 0} if m.get("role") == "assistant" else m for m in obj["input"]["messages"]
+    ]
+    return PreferencePair(
+        _chat_example(tokenizer, [*prompt, obj["preferred_output"][0]]),
+        _chat_example(tokenizer, [*prompt, obj["non_preferred_output"][0]]),
+    )
+
+
+def tokenize_example(tokenizer: Any, obj: dict[str, Any]) -> Unit:
     fmt = detect_format(obj)
+    if fmt == "preference":
+        return _preference_pair(tokenizer, obj)
     if fmt == "chat":
         return _chat_example(tokenizer, obj["messages"])
     if fmt == "alpaca":
@@ -163,19 +206,30 @@ def tokenize_example(tokenizer: Any, obj: dict[str, Any]) -> Example:
     return Example(list(ids), list(ids))
 
 
+def _learnable(ex: Example) -> bool:
+    return any(label != IGNORE for label in ex.labels[1:])
+
+
 def load_dataset(path: Path, tokenizer: Any, max_seq_len: int) -> TokenizedDataset:
-    examples: list[Example] = []
+    """The file's examples (or pairs), each sequence cut to ``max_seq_len`` tokens; those
+    left with no label to learn (a pair: either answer) are dropped."""
+    examples: list[Any] = []
     truncated = 0
     with path.open("rb") as fh:
         for raw in fh:
             if not raw.strip():
                 continue
-            ex = tokenize_example(tokenizer, json.loads(raw))
-            if len(ex.input_ids) > max_seq_len:
+            unit = tokenize_example(tokenizer, json.loads(raw))
+            sequences: tuple[Example, ...] = (
+                unit.sequences if isinstance(unit, PreferencePair) else (unit,)
+            )
+            if any(len(ex.input_ids) > max_seq_len for ex in sequences):
                 truncated += 1
-                ex = Example(ex.input_ids[:max_seq_len], ex.labels[:max_seq_len])
-            if any(label != IGNORE for label in ex.labels[1:]):
-                examples.append(ex)
+                sequences = tuple(
+                    Example(ex.input_ids[:max_seq_len], ex.labels[:max_seq_len]) for ex in sequences
+                )
+            if all(_learnable(ex) for ex in sequences):
+                examples.append(PreferencePair(*sequences) if len(sequences) == 2 else sequences[0])
     return TokenizedDataset(examples, truncated)
 
 
@@ -183,8 +237,9 @@ def token_stats(
     path: Path, tokenizer: Any, max_seq_len: int, *, check: Callable[[], None] | None = None
 ) -> dict[str, int]:
     """What a file holds in the base model's tokens: examples, tokens, trained (loss)
-    tokens, and examples longer than ``max_seq_len`` (truncated when training). ``check``
-    runs before each line and may raise to stop (a deadline, a shutdown)."""
+    tokens, and examples longer than ``max_seq_len`` (truncated when training). A
+    preference pair is one example; its tokens and trained tokens are both answers'.
+    ``check`` runs before each line and may raise to stop (a deadline, a shutdown)."""
     stats = {
         "examples": 0,
         "tokens": 0,
@@ -198,11 +253,14 @@ def token_stats(
                 check()
             if not raw.strip():
                 continue
-            ex = tokenize_example(tokenizer, json.loads(raw))
+            unit = tokenize_example(tokenizer, json.loads(raw))
+            sequences = unit.sequences if isinstance(unit, PreferencePair) else (unit,)
             stats["examples"] += 1
-            stats["tokens"] += len(ex.input_ids)
-            stats["trained_tokens"] += sum(label != IGNORE for label in ex.labels)
-            stats["over_max_seq_len"] += len(ex.input_ids) > max_seq_len
+            stats["tokens"] += sum(len(ex.input_ids) for ex in sequences)
+            stats["trained_tokens"] += sum(
+                label != IGNORE for ex in sequences for label in ex.labels
+            )
+            stats["over_max_seq_len"] += any(len(ex.input_ids) > max_seq_len for ex in sequences)
     return stats
 
 

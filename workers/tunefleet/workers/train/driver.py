@@ -134,6 +134,10 @@ def run(job_id: str, run_id: str) -> None:
             if spec.validation_file
             else None,
             "checkpoints_key": store.checkpoints_key(job_id),
+            # the weights a job starts from (tunefleet.init_from_job): that job's adapter
+            "init_key": store.adapter_key(spec.tunefleet.init_from_job)
+            if spec.tunefleet.init_from_job
+            else None,
             "device_memory_bytes": device_bytes,
             # which run of the job this is: a run that is no longer the job's current one
             # (a pause and resume it did not see) checkpoints and leaves
