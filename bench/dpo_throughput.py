@@ -32,6 +32,7 @@ import argparse
 import json
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -192,8 +193,7 @@ def main() -> None:
             )
 
     def median(runs: list[dict[str, Any]], key: str) -> float:
-        values = sorted(r[key] for r in runs)
-        return float(values[len(values) // 2])
+        return float(statistics.median(r[key] for r in runs))
 
     ratios = {}
     for setting, side in runs.items():
