@@ -126,7 +126,7 @@ def dpo_loss(
     (``[2 * pairs]``, chosen first), and each pair's chosen and rejected rewards (no
     gradient)."""
     pairs = len(policy) // 2
-    ratios = policy - reference.to(policy.dtype)
+    ratios = policy - reference.to(policy.device, policy.dtype)  # precomputed: on the CPU
     chosen, rejected = ratios[:pairs], ratios[pairs:]
     loss = -F.logsigmoid(beta * (chosen - rejected)).mean()
     return loss, (beta * chosen).detach(), (beta * rejected).detach()

@@ -385,14 +385,20 @@ class Worker:
         return dist.is_available() and dist.is_initialized() and self.world > 1
 
     def make_batch(self, picked: list[Any]) -> tuple[dict[str, torch.Tensor], int]:
-        """The model's inputs and the real (not padding) tokens it computes: a pair is one
-        row, its prompt computed once for both answers (``dpo.collate_pairs``)."""
+        """The model's inputs on this worker's device, and the real (not padding) tokens
+        it computes: a pair is one row, its prompt computed once for both answers
+        (``dpo.collate_pairs``)."""
         if self.reference is not None:
-            return collate_pairs(picked, self.pad_id)
-        tokens = sum(unit_tokens(u) for u in picked)
-        if self.spec.tunefleet.packing:
-            return collate_packed(picked, self.pad_id), tokens
-        return collate(picked, self.pad_id), tokens
+            batch, tokens = collate_pairs(picked, self.pad_id)
+        elif self.spec.tunefleet.packing:
+            batch, tokens = collate_packed(picked, self.pad_id), sum(map(unit_tokens, picked))
+        else:
+            batch, tokens = collate(picked, self.pad_id), sum(map(unit_tokens, picked))
+        return self.on_device(batch), tokens
+
+    def on_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``batch`` on this worker's device (as it is, on a CPU worker)."""
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def loss_and_counts(
         self, picked: list[Any], indices: list[int] | None, split: str = "train"
@@ -730,7 +736,7 @@ class Worker:
         with torch.no_grad():
             for i in range(passes):
                 chunk = share[i * micro : (i + 1) * micro]
-                batch = collate(chunk or validation.examples[:1], self.pad_id)
+                batch = self.on_device(collate(chunk or validation.examples[:1], self.pad_id))
                 with self.autocast:
                     logits, targets = self.labelled(model, batch)
                 if not chunk or not len(targets):
