@@ -150,6 +150,10 @@ DPO_CASES = {  # method -> (learning rate, more options)
 }
 
 
+# DPO on two workers: (method, strategy)
+DPO_TWO_WORKERS = [("lora", "ddp"), ("lora", "zero3"), ("full", "zero3")]
+
+
 def _dpo_job(env: dict[str, Any], method: str, **tunefleet: Any) -> str:
     """A DPO job of ``method``: 8 pairs, batch 4, 4 epochs (8 steps), a validation file of
     the 4 PREFERENCES."""
@@ -243,6 +247,14 @@ def runs(ray_env: dict[str, Any]) -> dict[str, tuple[str, BaseException | None]]
     jobs["validated"] = _validated_job(ray_env)
     for method in DPO_CASES:
         jobs[f"dpo-{method}"] = _dpo_job(ray_env, method)
+    for method, strategy in DPO_TWO_WORKERS:
+        jobs[f"dpo-{method}-{strategy}"] = _dpo_job(
+            ray_env,
+            method,
+            precision="fp32",
+            strategy=strategy,
+            resources={"num_workers": 2, "cpus_per_worker": 0.5},
+        )
     jobs["tracked"] = _job(ray_env, 4, 20, {"method": "lora"}, integrations=TRACKED(ray_env))
     # a run that is no longer its job's current one (the job was paused and resumed
     # before it looked, and another run started): it checkpoints and leaves
@@ -715,3 +727,33 @@ def test_dpo_continues_a_supervised_jobs_adapter(
     expected = torch.stack([logps[: len(pairs)], logps[len(pairs) :]], 1)
     assert torch.allclose(torch.tensor(saved["train"]).float(), expected, atol=1e-4)
     assert len(saved["valid"]) == len(PREFERENCES)
+
+
+def test_dpo_on_two_workers_sharded_trains_like_ddp(
+    ray_env: dict[str, Any], runs: dict[str, Any]
+) -> None:
+    """DPO on two workers: LoRA under ZeRO-3 (the reference with the adapter switched off
+    on sharded layers) has DDP's losses and rewards step by step; full fine-tuning under
+    ZeRO-3 precomputes the reference on both workers' shares (summed over them) and so
+    starts at log 2."""
+
+    def outcome(name: str) -> tuple[list[tuple[float, float, float]], list[Any]]:
+        job_id, error = runs[name]
+        assert error is None, (name, error)
+        events = _events(ray_env, job_id)
+        metrics = [e.data for e in events if e.type == "metrics"]
+        assert [m["step"] for m in metrics] == list(range(1, 9))
+        got = [(m["train_loss"], m["rewards/chosen"], m["rewards/rejected"]) for m in metrics]
+        return got, events
+
+    ddp, _ = outcome("dpo-lora-ddp")
+    zero3, events = outcome("dpo-lora-zero3")
+    assert any("on 2 worker(s) sharded (zero3)" in e.message for e in events)
+    for a, b in zip(ddp, zero3, strict=True):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-6), (ddp, zero3)
+    assert ddp[0][0] == pytest.approx(math.log(2), abs=1e-3) and ddp[-1][0] < ddp[0][0]
+
+    full, events = outcome("dpo-full-zero3")
+    assert any("Reference log-probabilities of 12 pairs" in e.message for e in events)
+    assert full[0][0] == pytest.approx(math.log(2), abs=1e-3)
+    assert full[-1][0] < 0.5 * math.log(2), full
