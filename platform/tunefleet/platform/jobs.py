@@ -155,6 +155,9 @@ def _too_big(value: Any) -> int | None:
     return None
 
 
+_DEFAULT_OPTIONS = TuneFleetOptions()
+
+
 class JobCreateRequest(BaseModel):
     """Body of ``POST /v1/fine_tuning/jobs``."""
 
@@ -179,6 +182,11 @@ class JobCreateRequest(BaseModel):
         description="Weights & Biases (OpenAI's) or MLflow (TuneFleet's) runs that get the "
         "job's config and metrics.",
     )
+
+    @property
+    def options(self) -> TuneFleetOptions:
+        """``tunefleet`` as asked, else the defaults (one instance: the options are frozen)."""
+        return self.tunefleet or _DEFAULT_OPTIONS
 
     @field_validator("suffix")
     @classmethod
@@ -354,7 +362,7 @@ def build_spec(
     what its "auto" hyperparameters settled on: the one builder behind job creation and
     the dry runs (``POST /v1/plans``, ``tunefleet plan``), with the checks that need the
     model (BitFit needs bias terms)."""
-    options = req.tunefleet or TuneFleetOptions()
+    options = req.options
     if options.method == "bitfit" and not (
         config.get("attention_bias") or config.get("mlp_bias") or config.get("bias")
     ):
@@ -452,7 +460,7 @@ def create_job(
     its own transaction (``tests/platform/test_new_job.py`` counts them)."""
     registry.require(req.model)
     config = registry.config(req.model)
-    options = req.tunefleet or TuneFleetOptions()
+    options = req.options
     gpus = options.resources.num_workers * options.resources.gpus_per_worker
     if gpus > principal.max_gpus:
         raise QuotaExceeded(
