@@ -8,6 +8,7 @@ is then loaded by peft from the artifact store (not by TuneFleet's server) and a
 task's held-out prompts greedily; the task's scorer counts the right answers.
 
 - ``defaults``: nothing set but the worker's CPUs: the platform's defaults as they are;
+- ``all-linear r16 width-fit lr (previous defaults)``: the defaults before rank 32;
 - ``old defaults``: the defaults before this suite (LoRA r=8, alpha 16 on q/k/v/o,
   learning rate 2e-4, batch 4, 3 epochs), set by hand;
 - the grid: LoRA targets (attention only, all linear layers), rank, learning rate and
@@ -16,11 +17,17 @@ task's held-out prompts greedily; the task's scorer counts the right answers.
   found better than the old defaults (r=16 on all linear layers, lr 3e-4, batch 8, 3
   epochs), the figure the defaults must reach.
 
-Per task: each configuration's score and training time, the best grid score, the gap
-from the defaults to it. Targets: the defaults within 5 points of the best grid
-configuration on every task, and at or above plain peft on the format task.
+Each seed draws the tasks' data (other examples, other held-out prompts) and the jobs'
+seed: one seed's score moves by 10-20 points between neighbouring configurations, so a
+configuration's figure is its mean over the seeds (``--seeds``, default 7 8 9).
 
-    .venv/bin/python bench/efficacy.py    # ~50 min; bench/results/efficacy.{json,png}
+Per task: each configuration's mean score, every seed's score and the mean training time,
+the best grid score, the gap from the defaults to it. Targets: the defaults within 5
+points of the best grid configuration on every task, and at or above plain peft on the
+format task.
+
+    .venv/bin/python bench/efficacy.py    # ~50 min a seed for the whole grid
+    .venv/bin/python bench/efficacy.py --seeds 9 --add-to bench/results/efficacy.json
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ ALL_LINEAR = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
 
 
 def _config(
-    targets: list[str], r: int, lr: float, epochs: int = 3, batch: int = 4
+    targets: list[str], r: int, lr: float | None, epochs: int = 3, batch: int = 4
 ) -> dict[str, Any]:
     return {
         "lora": {"r": r, "alpha": 2 * r, "dropout": 0.05, "target_modules": targets},
@@ -63,6 +70,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
         "lora": {"r": 8, "alpha": 16, "dropout": 0.05, "target_modules": ATTENTION},
     },
     "attention r16 lr1e-3": _config(ATTENTION, 16, 1e-3),
+    "all-linear r16 width-fit lr (previous defaults)": _config(ALL_LINEAR, 16, None),
     "all-linear r16 lr2e-4": _config(ALL_LINEAR, 16, 2e-4),
     "all-linear r16 lr5e-4": _config(ALL_LINEAR, 16, 5e-4),
     "all-linear r32 lr1e-3": _config(ALL_LINEAR, 32, 1e-3),
@@ -102,11 +110,11 @@ class Platform:
             self.tenant_id = authenticate(s, f"Bearer {self.key}").tenant_id
         ray.init(num_cpus=THREADS, include_dashboard=False, log_to_driver=False)
 
-    def upload(self, task: Task) -> str:
+    def upload(self, task: Task, seed: int) -> str:
         """The task's training file, stored and recorded as the API's upload would."""
         from tunefleet.platform.db import File, session_scope
 
-        file_id = f"file-{task.name}"
+        file_id = f"file-{task.name}-{seed}"
         body = "".join(json.dumps(row) + "\n" for row in task.train).encode()
         self.store.write_bytes(self.store.file_key(file_id), body)
         with session_scope(self.url) as s:
@@ -134,13 +142,13 @@ class Platform:
 
         body: dict[str, Any] = {"model": BUILTIN_MODEL, "training_file": file_id, "seed": seed}
         options: dict[str, Any] = {"resources": {"num_workers": 1, "cpus_per_worker": THREADS}}
-        if config is not None:  # the multiplier that gives the rate on this model
-            model_config = json.loads((self.model_path / "config.json").read_text())
-            multiplier = config["learning_rate"] / base_learning_rate("lora", model_config)[0]
-            body["hyperparameters"] = {
-                **config["hyperparameters"],
-                "learning_rate_multiplier": multiplier,
-            }
+        if config is not None:
+            body["hyperparameters"] = dict(config["hyperparameters"])
+            if config["learning_rate"] is not None:  # the multiplier giving it on this model
+                model_config = json.loads((self.model_path / "config.json").read_text())
+                body["hyperparameters"]["learning_rate_multiplier"] = (
+                    config["learning_rate"] / base_learning_rate("lora", model_config)[0]
+                )
             options["lora"] = config["lora"]
         body["tunefleet"] = options
         settings = get_settings()
@@ -302,14 +310,49 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def summary(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """A task's configurations over the seeds run so far: each one's mean score (the
+    figure compared) and mean training time, with every seed's run; the best grid
+    configuration by mean and the defaults' gap to it."""
+    rows: dict[str, Any] = {}
+    for name, by_seed in runs.items():
+        scores = {seed: run["score"] for seed, run in by_seed.items()}
+        times = [run["train_seconds"] for run in by_seed.values() if "train_seconds" in run]
+        rows[name] = {
+            "score": round(sum(scores.values()) / len(scores), 1),
+            "scores": scores,
+            **({"train_seconds": round(sum(times) / len(times), 1)} if times else {}),
+            "runs": by_seed,
+        }
+    grid = {k: v["score"] for k, v in rows.items() if k in CONFIGS and k not in NOT_GRID}
+    best = max(grid, key=lambda k: grid[k]) if grid else None
+    entry: dict[str, Any] = {
+        "configs": rows,
+        "best_grid": best,
+        "best_grid_score": grid[best] if best else None,
+    }
+    if best and "defaults" in rows:
+        entry["defaults_gap_points"] = round(grid[best] - rows["defaults"]["score"], 1)
+        entry["defaults_within_target"] = entry["defaults_gap_points"] <= TARGET_GAP
+    if "plain peft" in rows and "defaults" in rows:
+        entry["defaults_at_or_above_plain_peft"] = (
+            rows["defaults"]["score"] >= rows["plain peft"]["score"]
+        )
+    return entry
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="*", help="only these tasks (default: all)")
     parser.add_argument("--configs", nargs="*", help="only these configurations")
     parser.add_argument("--n-train", type=int, default=40)
     parser.add_argument("--n-heldout", type=int, default=60)
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[7, 8, 9],
+                        help="each seed draws the tasks' data and the jobs' seed")  # fmt: skip
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--add-to", type=Path,
+                        help="a results file whose runs this run adds to (its seeds, n-train "
+                        "and n-heldout): a run in parts")  # fmt: skip
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT / "workers"))
@@ -321,8 +364,6 @@ def main() -> None:
 
     torch.set_num_threads(THREADS)
     model_path = prepare_builtin(ModelRegistry(get_settings().resolved_model_registry))
-    suite = [t for t in tasks(args.seed, args.n_train, args.n_heldout)
-             if not args.tasks or t.name in args.tasks]  # fmt: skip
     configs = {k: v for k, v in CONFIGS.items() if not args.configs or k in args.configs}
     platform = Platform(model_path)
     results: dict[str, Any] = {
@@ -330,47 +371,52 @@ def main() -> None:
         "model": model_path.name,
         "n_train": args.n_train,
         "n_heldout": args.n_heldout,
-        "seed": args.seed,
+        "seeds": args.seeds,
         "target_gap_points": TARGET_GAP,
         "tasks": {},
     }
-    for task in suite:
-        file_id = platform.upload(task)
-        said = answers(model_path, None, task)
-        rows: dict[str, Any] = {"base model": {"score": score(task, said), "sample": said[:3]}}
-        for name, config in configs.items():
-            row = platform.train(file_id, config, args.seed)
-            said = answers(model_path, row.pop("adapter"), task)
-            rows[name] = {"score": score(task, said), **row, "sample": said[:3]}
-            print(f"{task.name:9s} {name:32s} {rows[name]['score']:5.1f}  "
-                  f"{row['train_seconds']:6.1f}s", flush=True)  # fmt: skip
-        if task.name == "format" and (not args.configs or "plain peft" in args.configs):
-            row = plain_peft(model_path, task, args.seed)
-            said = answers(model_path, row.pop("adapter"), task)
-            rows["plain peft"] = {"score": score(task, said), **row, "sample": said[:3]}
-            print(
-                f"{task.name:9s} {'plain peft':32s} {rows['plain peft']['score']:5.1f}", flush=True
-            )
-        grid = {k: v["score"] for k, v in rows.items() if k in CONFIGS and k not in NOT_GRID}
-        best = max(grid, key=lambda k: grid[k]) if grid else None
-        entry: dict[str, Any] = {
-            "kind": task.kind,
-            "train_examples": len(task.train),
-            "heldout_prompts": len(task.heldout),
-            "configs": rows,
-            "best_grid": best,
-            "best_grid_score": grid[best] if best else None,
-        }
-        if best and "defaults" in rows:
-            entry["defaults_gap_points"] = round(grid[best] - rows["defaults"]["score"], 1)
-            entry["defaults_within_target"] = entry["defaults_gap_points"] <= TARGET_GAP
-        if "plain peft" in rows and "defaults" in rows:
-            entry["defaults_at_or_above_plain_peft"] = (
-                rows["defaults"]["score"] >= rows["plain peft"]["score"]
-            )
-        results["tasks"][task.name] = entry
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    runs: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
+    if args.add_to:
+        before = json.loads(args.add_to.read_text())
+        if (before["n_train"], before["n_heldout"]) != (args.n_train, args.n_heldout):
+            sys.exit(f"{args.add_to} has n-train {before['n_train']}, n-heldout "
+                     f"{before['n_heldout']}: run with those to add to it")  # fmt: skip
+        for name, task in before["tasks"].items():
+            runs[name] = {config: {int(seed): run for seed, run in row["runs"].items()}
+                          for config, row in task["configs"].items()}  # fmt: skip
+        results["tasks"] = before["tasks"]
+        results["seeds"] = sorted({*before["seeds"], *args.seeds})
+    for seed in args.seeds:
+        suite = [t for t in tasks(seed, args.n_train, args.n_heldout)
+                 if not args.tasks or t.name in args.tasks]  # fmt: skip
+        for task in suite:
+            file_id = platform.upload(task, seed)
+            said = answers(model_path, None, task)
+            done = runs.setdefault(task.name, {})
+            done.setdefault("base model", {})[seed] = {"score": score(task, said),
+                                                       "sample": said[:3]}  # fmt: skip
+            for name, config in configs.items():
+                row = platform.train(file_id, config, seed)
+                said = answers(model_path, row.pop("adapter"), task)
+                done.setdefault(name, {})[seed] = {"score": score(task, said), **row,
+                                                   "sample": said[:3]}  # fmt: skip
+                print(f"{seed} {task.name:9s} {name:36s} {done[name][seed]['score']:5.1f}  "
+                      f"{row['train_seconds']:6.1f}s", flush=True)  # fmt: skip
+            if task.name == "format" and (not args.configs or "plain peft" in args.configs):
+                row = plain_peft(model_path, task, seed)
+                said = answers(model_path, row.pop("adapter"), task)
+                done.setdefault("plain peft", {})[seed] = {"score": score(task, said), **row,
+                                                           "sample": said[:3]}  # fmt: skip
+                print(f"{seed} {task.name:9s} {'plain peft':36s} "
+                      f"{done['plain peft'][seed]['score']:5.1f}", flush=True)  # fmt: skip
+            results["tasks"][task.name] = {
+                "kind": task.kind,
+                "train_examples": len(task.train),
+                "heldout_prompts": len(task.heldout),
+                **summary(done),
+            }
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=2) + "\n")
     results["target_met"] = all(
         t.get("defaults_within_target", False) and t.get("defaults_at_or_above_plain_peft", True)
         for t in results["tasks"].values()

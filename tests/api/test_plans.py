@@ -88,8 +88,8 @@ def test_auto_settings_follow_the_chart(settings: Settings, key_a: str) -> None:
     assert job["tunefleet"]["gradient_checkpointing"] is False
     assert job["tunefleet"]["micro_batch_size"] == 4  # the whole global batch at once
 
-    # ~6 MiB per worker: batch 1 fits only with gradient checkpointing; 4 accumulation steps
-    tight = _client_with_device(settings, 0.006)
+    # ~7 MiB per worker: batch 1 fits only with gradient checkpointing; 4 accumulation steps
+    tight = _client_with_device(settings, 0.007)
     job = tight.post(
         "/v1/fine_tuning/jobs", headers=H(key_a), json={"model": TINY, "training_file": f}
     ).json()
@@ -130,7 +130,7 @@ def test_the_dry_run_shows_the_plan_the_job_stores(settings: Settings, key_a: st
     device it showed the ``auto`` job as DDP without checkpointing at the whole batch, a
     plan that does not fit, while the job runs with checkpointing at micro-batch 1. Now it
     is the plan job creation stores."""
-    tight = _client_with_device(settings, 0.006)
+    tight = _client_with_device(settings, 0.007)
     body = {"model": TINY, "training_file": _upload(tight, key_a), "seed": 5}
     dry = tight.post("/v1/plans", headers=H(key_a), json=body).json()
     job = tight.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body).json()

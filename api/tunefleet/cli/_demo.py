@@ -23,7 +23,7 @@ from tunefleet.platform.settings import Settings
 from tunefleet.platform.tenants import create_key, create_tenant
 
 DATA = files("tunefleet.cli") / "data"
-# The platform's defaults (LoRA r=16 on every linear layer, "auto" hyperparameters: see
+# The platform's defaults (LoRA r=32 on every linear layer, "auto" hyperparameters: see
 # docs/training.md), on short sequences and a few dozen steps, which CPUs can afford.
 DEMO_JOB: dict[str, Any] = {
     "model": BUILTIN_MODEL,
