@@ -303,8 +303,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_xticklabels([f"{n}\n({results['tasks'][n]['kind']})" for n in names])
     ax.set_ylabel("held-out score (%)")
     ax.set_ylim(0, 105)
-    ax.set_title(f"SmolLM2-135M-Instruct, LoRA: defaults vs grid ({results['machine']})",
-                 fontsize=9)  # fmt: skip
+    seeds = ", ".join(str(seed) for seed in results["seeds"])
+    ax.set_title(f"SmolLM2-135M-Instruct, LoRA: defaults vs grid, mean of seeds {seeds} "
+                 f"({results['machine']})", fontsize=9)  # fmt: skip
     ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.18))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
