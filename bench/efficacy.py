@@ -75,7 +75,6 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "all-linear r16 lr5e-4": _config(ALL_LINEAR, 16, 5e-4),
     "all-linear r32 lr1e-3": _config(ALL_LINEAR, 32, 1e-3),
     "all-linear r16 lr2e-3": _config(ALL_LINEAR, 16, 2e-3),
-    "all-linear r32 lr1.3e-3": _config(ALL_LINEAR, 32, 1.3e-3),
     "all-linear r16 lr1e-3 2 epochs": _config(ALL_LINEAR, 16, 1e-3, epochs=2),
 }
 NOT_GRID = ("defaults", "old defaults")
