@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256
 
 HELM   := $(BIN)/helm
 
-.PHONY: install helm chromium screenshots demo test test-fast lint fmt up clean bench-deps
+.PHONY: install helm chromium screenshots demo test test-fast test-isa lint fmt up clean bench-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,11 +51,33 @@ screenshots: install $(CHROMIUM)  ## the dashboard's pages as the browser tests 
 demo: install  ## fine-tune SmolLM2-135M on the bundled dataset; base vs tuned answers
 	TUNEFLEET_DATA_DIR=$${TUNEFLEET_DATA_DIR:-.data/demo} $(BIN)/tunefleet demo
 
-test: install $(HELM) $(CHROMIUM)  ## every test tier this machine can run (SQLite + PostgreSQL, real Ray, Helm, a browser)
+# The numerics on AVX2 kernels first (a minute), then every tier: the suite's own summary
+# is the last line.
+test: install $(HELM) $(CHROMIUM)  ## every test tier this machine can run (SQLite + PostgreSQL, real Ray, Helm, a browser), the numerics also on AVX2 kernels
+	$(MAKE) --no-print-directory test-isa
 	$(BIN)/python -m pytest --durations=25
 
 test-fast: install $(HELM)  ## no real Ray: platform, API, migrations, layout, the Helm chart
 	$(BIN)/python -m pytest -m "not slow"
+
+# The numerics-sensitive tests that need no Ray (DPO, loss, packing, RoPE, multi-LoRA and
+# QLoRA serving, generation, the planner's arithmetic) again on AVX2 kernels, whatever
+# this CPU has: ATen's (ATEN_CPU_CAPABILITY), oneDNN's (ONEDNN_MAX_CPU_ISA) and, on Intel
+# CPUs, MKL's (MKL_ENABLE_INSTRUCTIONS). docs/testing.md, "Numerics on every CPU". Only
+# ever lower them: ATEN_CPU_CAPABILITY=avx512 on a CPU without AVX-512 dies (SIGILL).
+# Other kernels: make test-isa ISA_ATEN=default ISA_ONEDNN=SSE41
+ISA_ATEN   ?= avx2
+ISA_ONEDNN ?= AVX2
+ISA_MKL    ?= AVX2
+ISA_TESTS  := tests/workers/test_dpo.py tests/workers/test_loss.py \
+	tests/workers/test_packing.py tests/workers/test_rope.py tests/workers/test_multilora.py \
+	tests/workers/test_generate.py tests/platform/test_planner.py
+ISA_ENV    := ATEN_CPU_CAPABILITY=$(ISA_ATEN) ONEDNN_MAX_CPU_ISA=$(ISA_ONEDNN) \
+	MKL_ENABLE_INSTRUCTIONS=$(ISA_MKL)
+
+test-isa: install  ## the numerics tests without Ray, on AVX2 kernels (20 s on 2 idle cores)
+	$(ISA_ENV) $(BIN)/python -c "import torch; print('ATen kernels:', torch.backends.cpu.get_cpu_capability())"
+	$(ISA_ENV) $(BIN)/python -m pytest -q -m "not slow" $(ISA_TESTS)
 
 lint: install  ## ruff, mypy --strict on platform and api, import-linter contracts
 	$(BIN)/ruff check .

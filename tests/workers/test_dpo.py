@@ -3,7 +3,14 @@ sequence log-probabilities the loss uses, from one row per pair that holds the s
 prompt once, are the full model's for each sequence alone, over the answer's tokens only,
 with the model's gradients; the loss is the paper's formula; the reference with the
 adapter switched off is the base model; and a preference line tokenizes into two
-sequences labelled on their answers."""
+sequences labelled on their answers.
+
+The tests that compare two computations of the same numbers run the model in float64
+(``float64.py``): in float32 their difference is rounding that depends on the CPU's
+kernels (the gradient test once failed on an AVX2 EPYC by 2.3e-5 against 1e-5); in
+float64 it is bounded from the unit roundoff (``bound64``: 3.3e-9 for these
+gradients, 5.9e-9 for these log-probabilities), on every CPU, while a prompt token counted
+in an answer, a wrong mask or a wrong position moves them by 0.89 or more."""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from float64 import assert_close64, bound64, double, float64
 from tunefleet.platform.spec import JobSpec
 from tunefleet.workers.train._dpo import (
     Reference,
@@ -51,6 +59,7 @@ def tokenizer(tiny: Path) -> Any:
 
 
 def _built(path: Path, method: str) -> Any:
+    """The training loop's model for ``method``, in float64 (``float64.double``)."""
     spec = JobSpec.model_validate(
         {
             "job_id": "ftjob-dpo",
@@ -64,7 +73,9 @@ def _built(path: Path, method: str) -> Any:
             "dpo": {"beta": 0.1, "reference": "adapter_disabled"},
         }
     )
-    return build_model(spec, str(path))
+    built = build_model(spec, str(path))
+    double(built.model)
+    return built
 
 
 def _pairs() -> list[PreferencePair]:
@@ -100,28 +111,29 @@ def test_sequence_logps_are_the_answers_log_probabilities_with_the_models_gradie
     labelled = LabelledLogits(model.get_output_embeddings())
     pairs = _pairs()
     batch, computed = collate_pairs(pairs, 0)
-    got = sequence_logps(labelled, model, batch)
-    assert got.shape == (2 * len(pairs),)
-    got.sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-
     rows = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     # one row per pair, the prompt in it once
     assert batch["input_ids"].shape[0] == len(pairs)
     prompts = sum(p.chosen.labels.count(IGNORE) for p in pairs)  # answers are all labelled
     assert computed == sum(len(ex.input_ids) for ex in rows) - prompts
-    expected = torch.stack([_plain_logps(model, ex) for ex in rows])
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
-    expected.sum().backward()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    with float64():
+        got = sequence_logps(labelled, model, batch)
+        assert got.shape == (2 * len(pairs),)
+        got.sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
 
-    # and what they score as plain padded rows
-    chosen = sequence_logps(labelled, model, collate([p.chosen for p in pairs], 0))
-    rejected = sequence_logps(labelled, model, collate([p.rejected for p in pairs], 0))
-    torch.testing.assert_close(got.detach(), torch.cat([chosen, rejected]).detach(), atol=1e-4,
-                               rtol=1e-5)  # fmt: skip
+        expected = torch.stack([_plain_logps(model, ex) for ex in rows])
+        assert_close64(got, expected)
+        expected.sum().backward()
+        assert grads.keys() == {n for n, _ in model.named_parameters()}
+        for name, p in model.named_parameters():
+            assert_close64(grads[name], p.grad, msg=name)
+
+        # and what they score as plain padded rows
+        chosen = sequence_logps(labelled, model, collate([p.chosen for p in pairs], 0))
+        rejected = sequence_logps(labelled, model, collate([p.rejected for p in pairs], 0))
+        assert_close64(got.detach(), torch.cat([chosen, rejected]).detach())
 
 
 def test_the_loss_is_the_papers() -> None:
@@ -154,15 +166,17 @@ def test_the_reference_with_the_adapter_off_is_the_base(tiny: Path, method: str)
     labelled = LabelledLogits(built.model.get_output_embeddings())
     reference = Reference("adapter_disabled", peft_model=built.model, labelled=labelled)
     batch, _ = collate_pairs(_pairs(), 0)
-    got = reference.logps(batch, "train", [0, 1, 2])
-    assert not got.requires_grad
-    policy = sequence_logps(labelled, built.model, batch)
-    assert not torch.allclose(policy.detach(), got, atol=1e-3)  # the adapter is on again
-    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    base = double(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval())
     rows = [p.chosen for p in _pairs()] + [p.rejected for p in _pairs()]
-    with torch.no_grad():
-        expected = torch.stack([_plain_logps(base, ex) for ex in rows])
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    with float64():
+        got = reference.logps(batch, "train", [0, 1, 2])
+        assert not got.requires_grad
+        policy = sequence_logps(labelled, built.model, batch).detach()
+        with torch.no_grad():
+            expected = torch.stack([_plain_logps(base, ex) for ex in rows])
+    assert_close64(got, expected)
+    # the adapter is on again: far outside that bound
+    assert (policy - got).abs().max() > 1e3 * bound64(float(expected.abs().max()))
 
 
 def test_precomputed_scores_are_looked_up_by_pair_and_survive_a_checkpoint(tiny: Path) -> None:
@@ -174,13 +188,15 @@ def test_precomputed_scores_are_looked_up_by_pair_and_survive_a_checkpoint(tiny:
     def score(picked: list[PreferencePair]) -> torch.Tensor:
         return sequence_logps(labelled, model, collate_pairs(picked, 0)[0])
 
-    reference.precompute("train", pairs, score, micro=2, rank=0, world=1,
-                         device=torch.device("cpu"))  # fmt: skip
-    with torch.no_grad():
-        whole = score(pairs)
     picked = [2, 0]
-    expected = torch.cat([whole[picked], whole[[3 + i for i in picked]]])
-    torch.testing.assert_close(reference.logps({}, "train", picked), expected, atol=1e-4, rtol=0)
+    with float64():  # micro-batches of 2 pairs and 1, against all 3 at once
+        reference.precompute("train", pairs, score, micro=2, rank=0, world=1,
+                             device=torch.device("cpu"))  # fmt: skip
+        with torch.no_grad():
+            whole = score(pairs)
+        expected = torch.cat([whole[picked], whole[[3 + i for i in picked]]])
+        looked_up = reference.logps({}, "train", picked)
+    assert_close64(looked_up, expected)
     again = Reference("precomputed", labelled=labelled)
     again.restore(json.loads(json.dumps(reference.saved())))
     assert torch.equal(again.logps({}, "train", picked), reference.logps({}, "train", picked))
@@ -246,15 +262,18 @@ def test_the_loss_gradient_through_one_forward_equals_two(tiny: Path) -> None:
                 p.add_(0.1 * torch.randn_like(p))
     labelled = LabelledLogits(model.get_output_embeddings())
     pairs = _pairs()
-    reference = torch.randn(2 * len(pairs)) - 20
-    loss, *_ = dpo_loss(sequence_logps(labelled, model, collate_pairs(pairs, 0)[0]), reference, 0.1)
-    loss.backward()
-    one = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    chosen = sequence_logps(labelled, model, collate([p.chosen for p in pairs], 0))
-    rejected = sequence_logps(labelled, model, collate([p.rejected for p in pairs], 0))
-    margin = 0.1 * ((chosen - reference[:3]) - (rejected - reference[3:]))
-    (-F.logsigmoid(margin).mean()).backward()
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(one[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    reference = torch.randn(2 * len(pairs), dtype=torch.float64) - 20
+    with float64():
+        policy = sequence_logps(labelled, model, collate_pairs(pairs, 0)[0])
+        loss, *_ = dpo_loss(policy, reference, 0.1)
+        loss.backward()
+        one = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        chosen = sequence_logps(labelled, model, collate([p.chosen for p in pairs], 0))
+        rejected = sequence_logps(labelled, model, collate([p.rejected for p in pairs], 0))
+        margin = 0.1 * ((chosen - reference[:3]) - (rejected - reference[3:]))
+        (-F.logsigmoid(margin).mean()).backward()
+    two = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert one.keys() == two.keys() and one  # the adapter's parameters, nothing else
+    for name, grad in two.items():
+        assert_close64(one[name], grad, msg=name)
