@@ -3,19 +3,23 @@
 with 413 once the limit is passed, not after it was read whole; a request without a valid
 key is a 401 before a byte of its body is pulled. Bodies here are generators that count
 what the app pulled from them, sent without ``content-length`` (chunked) unless a test
-declares one."""
+declares one.
+
+What the multipart parser spools is counted too: Starlette's spool file is unlinked as it
+is created, so an empty spool folder proves nothing; the bytes written to it do."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
+from tempfile import SpooledTemporaryFile
 from typing import Any
 
 import httpx
 import pytest
+from starlette import formparsers
 
 from conftest import CHAT, TINY
 from conftest import auth as H
@@ -85,13 +89,29 @@ def send(settings: Settings, path: str, body: Body, headers: dict[str, str]) -> 
     return asyncio.run(go())
 
 
+class CountedSpool(SpooledTemporaryFile[bytes]):
+    """Starlette's spool file for an uploaded part, counting the bytes written to it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.written = 0
+
+    def write(self, s: Any) -> int:
+        self.written += len(s)
+        return super().write(s)
+
+
 @pytest.fixture
-def spool_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Where the multipart parser spools uploads, so a test can see nothing stays there."""
-    folder = tmp_path / "spool"
-    folder.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
+def spools(monkeypatch: pytest.MonkeyPatch) -> list[CountedSpool]:
+    """Every spool file the multipart parser creates during the test, in order."""
+    made: list[CountedSpool] = []
+
+    def spool(*args: Any, **kwargs: Any) -> CountedSpool:
+        made.append(CountedSpool(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(formparsers, "SpooledTemporaryFile", spool)
+    return made
 
 
 def stored_files(settings: Settings) -> list[Path]:
@@ -99,7 +119,7 @@ def stored_files(settings: Settings) -> list[Path]:
 
 
 def test_chunked_upload_over_the_limit_is_stopped_while_reading(
-    settings: Settings, key_a: str, spool_dir: Path
+    settings: Settings, key_a: str, spools: list[CountedSpool]
 ) -> None:
     body = upload_body(10 * settings.max_upload_bytes)
     resp = send(settings, "/v1/files", body, {**H(key_a), **UPLOAD_TYPE})
@@ -108,23 +128,30 @@ def test_chunked_upload_over_the_limit_is_stopped_while_reading(
     assert error["code"] == "file_too_large" and error["param"] == "file"
     assert str(settings.max_upload_bytes) in error["message"]
     assert "TUNEFLEET_MAX_UPLOAD_BYTES" in error["message"]
-    # stopped at the limit, not after the 10 MB were read (and spooled to disk)
+    # stopped at the limit, not after the 10 MB were read and spooled to disk (the spool
+    # rolls to disk past 1 MiB); the one spool file begun is closed, freeing its blocks
     assert body.pulled <= settings.max_upload_bytes + MULTIPART_ALLOWANCE + CHUNK
-    assert stored_files(settings) == [] and list(spool_dir.iterdir()) == []
+    assert len(spools) == 1 and spools[0].closed
+    assert 0 < spools[0].written <= settings.max_upload_bytes + MULTIPART_ALLOWANCE
+    assert stored_files(settings) == []
 
 
-def test_chunked_upload_within_the_limit_is_stored(settings: Settings, key_a: str) -> None:
+def test_chunked_upload_within_the_limit_is_stored(
+    settings: Settings, key_a: str, spools: list[CountedSpool]
+) -> None:
     line = len(json.dumps(CHAT)) + 1
     body = upload_body(line * (settings.max_upload_bytes // line // 2))
     resp = send(settings, "/v1/files", body, {**H(key_a), **UPLOAD_TYPE})
     assert resp.status_code == 200, resp.text
     assert resp.json()["tunefleet"]["stats"]["examples"] == settings.max_upload_bytes // line // 2
     assert body.pulled == body.total
+    # the spool counter sees Starlette's spooling, so its counts elsewhere mean something
+    assert [s.written for s in spools] == [body.size] and spools[0].closed
 
 
 @pytest.mark.parametrize("key", [None, "tf-notarealkey123"])
 def test_unauthenticated_upload_is_refused_before_its_body_is_read(
-    settings: Settings, key: str | None, spool_dir: Path
+    settings: Settings, key: str | None, spools: list[CountedSpool]
 ) -> None:
     body = upload_body(10 * settings.max_upload_bytes)
     headers = {**UPLOAD_TYPE, **(H(key) if key else {})}
@@ -132,7 +159,7 @@ def test_unauthenticated_upload_is_refused_before_its_body_is_read(
     assert resp.status_code == 401, resp.text
     assert resp.json()["error"]["type"] == "authentication_error"
     assert body.pulled == 0
-    assert stored_files(settings) == [] and list(spool_dir.iterdir()) == []
+    assert spools == [] and stored_files(settings) == []
 
 
 def test_unauthenticated_json_body_is_not_read(settings: Settings) -> None:

@@ -136,6 +136,41 @@ def test_an_unknown_field_holding_an_integer_beyond_64_bits_is_a_400(
     assert f"field 'x' holds the integer {-(2**65)}" in error(resp, 400)["message"]
     kept = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json={**body, "x": 2**63})
     assert kept.status_code == 200, kept.text
+    assert kept_fields(app_client, key_a, kept.json()["id"]) == {"x": 2**63}
+
+
+def kept_fields(client: TestClient, key: str, job_id: str) -> dict[str, Any]:
+    """``tunefleet.unused_request_fields`` of a job as GET returns it, checked to be the
+    same in the job list."""
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=H(key))
+    assert job.status_code == 200, job.text
+    kept: dict[str, Any] = job.json()["tunefleet"]["unused_request_fields"]
+    listed = client.get("/v1/fine_tuning/jobs", headers=H(key)).json()["data"]
+    in_list = [j["tunefleet"]["unused_request_fields"] for j in listed if j["id"] == job_id]
+    assert in_list == [kept]
+    return kept
+
+
+def test_unknown_openai_fields_are_kept_on_the_job(
+    app_client: TestClient, key_a: str, a_objects: dict[str, Any]
+) -> None:
+    """The README: "unknown OpenAI fields kept on the job"; docs/api.md: top-level fields
+    TuneFleet does not act on "are accepted and kept on the job
+    (`tunefleet.unused_request_fields`)". They read back as sent, known fields not among
+    them, from the answer to the create, GET of the job and the list."""
+    unknown = {
+        "x": {"y": [-(2**63), 2**64 - 1, 1.5, "s", True, None]},
+        "future_option": "on",
+    }
+    body = {"model": TINY, "training_file": a_objects["file"], "suffix": "kept", **unknown}
+    created = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body)
+    assert created.status_code == 200, created.text
+    job = created.json()
+    assert job["suffix"] == "kept"
+    assert job["tunefleet"]["unused_request_fields"] == unknown
+    assert kept_fields(app_client, key_a, job["id"]) == unknown
+    # a job made without any keeps none
+    assert kept_fields(app_client, key_a, a_objects["job"]) == {}
 
 
 @pytest.mark.parametrize("value", ['"0"', '"-3"', "true", "false"])

@@ -134,12 +134,19 @@ def test_sign_in_watch_a_job_train_and_cancel_another(chrome: Any, world: dict[s
     # the skip link is the first stop of the keyboard
     page.keyboard.press("Tab")
     assert page.evaluate("document.activeElement.className") == "skip-link"
-    # a focused link keeps the focus through the table's refresh
-    page.focus(f"#link-{world['training']}")
-    with page.expect_response(lambda r: "/ui/jobs/table" in r.url, timeout=10_000):
-        pass
-    page.wait_for_timeout(200)  # the swap settles
-    assert page.evaluate("document.activeElement.id") == f"link-{world['training']}"
+    # a focused link keeps the focus through the table's refresh (htmx polls every 3 s and
+    # swaps the table out whole: the focused link is replaced by a new one of its id)
+    link = f"link-{world['training']}"
+    page.focus(f"#{link}")
+    page.evaluate(f"window.tunefleetFocused = document.getElementById('{link}')")
+    assert page.evaluate("document.activeElement === window.tunefleetFocused")
+    page.wait_for_function(  # the swap happened: the link now is another element
+        "(id) => document.getElementById(id) !== window.tunefleetFocused",
+        arg=link,
+        timeout=15_000,
+    )
+    assert page.evaluate("window.tunefleetFocused.isConnected") is False
+    assert page.evaluate(f"document.activeElement === document.getElementById('{link}')")
 
     # a running job: its loss curve, and the figures of its newest step
     page.click(f"#link-{world['training']}")

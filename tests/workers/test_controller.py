@@ -458,6 +458,72 @@ def test_a_model_server_that_will_not_start_troubles_its_job_alone(settings: Set
     assert store.exists(store.adapter_key(done))
 
 
+class ServeFailingOnceTwin(TwinBackend):
+    """A model server whose first deploy fails (a replica out of memory); later ones start."""
+
+    def deploy_model_server(self, base_model: str, model_path: str) -> str:
+        self.deployed.append(base_model)
+        if len(self.deployed) == 1:
+            raise RuntimeError("replica failed to start: out of memory")
+        return f"/models/{base_model}"
+
+
+class Clock:
+    """The controller module's ``time``, its monotonic clock moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return time.time()
+
+
+def test_a_failed_model_server_deploy_is_retried_after_60_s(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/reliability.md: a failed Serve deploy is retried after 60 s, not on the passes
+    before it (its job says why once, and waits), and the job succeeds once it starts."""
+    from tunefleet.workers import controller as module
+
+    clock = Clock()
+    monkeypatch.setattr(module, "time", clock)
+    twin = ServeFailingOnceTwin()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    url = settings.resolved_database_url
+    job_id = _job(settings)
+    deadline = time.monotonic() + 60  # the first count loads the tokenizer: let it finish
+    while twin.submitted != [f"{job_id}-1"]:
+        assert time.monotonic() < deadline, twin.submitted
+        ctl.tick()
+    store = ArtifactStore(settings.resolved_artifact_root)
+    store.path(store.adapter_key(job_id)).mkdir(parents=True)
+    twin.status[f"{job_id}-1"] = SUCCEEDED
+
+    def status_and_said() -> tuple[str, list[str]]:
+        with session_scope(url) as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            events, _ = list_events(s, job_id, limit=100)
+        return job.status, [e.message for e in events if "failed to start" in e.message]
+
+    ctl.tick()  # the run succeeded; its model's server fails to start
+    status, said = status_and_said()
+    assert twin.deployed == ["tiny-llama"] and status == "running"
+    assert len(said) == 1 and "out of memory" in said[0] and "retrying in 60s" in said[0]
+    for passed in (1.0, 30.0, 59.9):  # passes before the 60 s are up: no deploy
+        clock.now = 1000.0 + passed
+        ctl.tick()
+        assert twin.deployed == ["tiny-llama"], passed
+        assert status_and_said() == (status, said)  # still waiting, said once
+    clock.now = 1000.0 + 60.1
+    ctl.tick()  # the first pass after: deployed again, and it starts
+    assert twin.deployed == ["tiny-llama", "tiny-llama"]
+    assert status_and_said() == ("succeeded", said)
+
+
 class LoggingTwin(TwinBackend):
     """Answers a failed run as Ray does: its message carries the run's last log lines."""
 
@@ -617,18 +683,21 @@ def test_counting_a_large_file_holds_up_no_pass(settings: Settings) -> None:
     twin.status[f"{first}-1"] = "FAILED"  # the first is requeued: the second can start
 
     release = threading.Event()
+    started, held = threading.Event(), threading.Event()
     counting = ctl._file_stats
 
     def slow(file_id: str, *args: Any) -> dict[str, int]:
         if file_id == "file-1":  # the large file, as slow as one can be
+            started.set()
             release.wait(30)
+            held.set()  # 30 s on, or released: a pass that waited for it ends after this
         return counting(file_id, *args)
 
     ctl._file_stats = slow  # type: ignore[method-assign]
     large = _job(settings)
-    t0 = time.monotonic()
     ctl.tick()
-    assert time.monotonic() - t0 < 5
+    # no clock: the pass ended while the count it started still waits to be released
+    assert started.wait(30) and not held.is_set()
     with session_scope(url) as s:
         assert s.get(Job, large).status == "validating_files"  # type: ignore[union-attr]
         assert s.get(Job, second).status == "running"  # type: ignore[union-attr]
@@ -664,11 +733,12 @@ class SlowServeTwin(TwinBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self.release = threading.Event()
+        self.release, self.held = threading.Event(), threading.Event()
 
     def deploy_model_server(self, base_model: str, model_path: str) -> str:
         self.deployed.append(base_model)
         self.release.wait(30)
+        self.held.set()  # 30 s on, or released: a pass that waited for it ends after this
         return f"/models/{base_model}"
 
 
@@ -688,13 +758,13 @@ def test_a_slow_model_server_deploy_holds_up_no_pass(settings: Settings) -> None
     store.path(store.adapter_key(done)).mkdir(parents=True)
     twin.status[f"{done}-1"] = SUCCEEDED
     twin.status[f"{other}-1"] = "FAILED"
-    t0 = time.monotonic()
     ctl.tick()
     ctl.SERVE_SLOW_S = 0.0  # from now on the deploy counts as slow
     for _ in range(3):
         ctl.tick()
         time.sleep(0.6)
-    assert time.monotonic() - t0 < 6
+    # no clock: four passes ended while the deploy the first started still waits
+    assert twin.deployed == ["tiny-llama"] and not twin.held.is_set()
     with session_scope(url) as s:
         waiting, retried = s.get(Job, done), s.get(Job, other)
         assert waiting is not None and waiting.status == "running"

@@ -121,23 +121,27 @@ class Trackers:
         environment: dict[str, str] | None = None,
     ):
         self._warn = warn
-        self._open: dict[str, _Tracker] = {}
+        # by position in the job's list: a job may name two of one type (two MLflow
+        # servers), each its own tracker
+        self._open: dict[int, tuple[str, _Tracker]] = {}
         # where the integrations write, as the controller's environment says
         os.environ.update(environment or {})
-        for integration in spec.integrations:
-            self._guard(integration.type, partial(self._start, integration, spec, config))
+        for i, integration in enumerate(spec.integrations):
+            self._guard(i, integration.type, partial(self._start, i, integration, spec, config))
 
-    def _start(self, integration: Integration, spec: JobSpec, config: dict[str, Any]) -> None:
-        self._open[integration.type] = _open(integration, spec, config)
+    def _start(
+        self, i: int, integration: Integration, spec: JobSpec, config: dict[str, Any]
+    ) -> None:
+        self._open[i] = (integration.type, _open(integration, spec, config))
 
-    def _guard(self, name: str, call: Callable[[], None]) -> None:
-        """Run ``call`` for integration ``name``; if it raises, drop the integration and
-        say so once. Broad on purpose: a tracker's library may raise anything, and no
-        tracker may fail a job."""
+    def _guard(self, i: int, name: str, call: Callable[[], None]) -> None:
+        """Run ``call`` for integration ``i`` (of type ``name``); if it raises, drop that
+        integration and say so once. Broad on purpose: a tracker's library may raise
+        anything, and no tracker may fail a job."""
         try:
             call()
         except Exception as exc:
-            self._open.pop(name, None)
+            self._open.pop(i, None)
             log.warning("integration %s failed", name, exc_info=True)
             self._warn(
                 f"The {name} integration failed and is off for the rest of this run "
@@ -150,12 +154,12 @@ class Trackers:
             for k, v in metrics.items()
             if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
         }
-        for name, tracker in list(self._open.items()):
-            self._guard(name, partial(tracker.log, step, numbers))
+        for i, (name, tracker) in list(self._open.items()):
+            self._guard(i, name, partial(tracker.log, step, numbers))
 
     def finish(self, completed: bool) -> None:
-        for name, tracker in list(self._open.items()):
-            self._guard(name, partial(tracker.finish, completed))
+        for i, (name, tracker) in list(self._open.items()):
+            self._guard(i, name, partial(tracker.finish, completed))
         self._open.clear()
 
 
