@@ -206,6 +206,15 @@ def smollm_registry(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def smol_base(smollm_registry: Path) -> Any:
+    """SmolLM2-135M-Instruct loaded once, with its greedy answers to the demo's questions
+    (tests/smolbase.py): a test that wraps the model with an adapter unloads it after."""
+    from smolbase import load_smol_base
+
+    return load_smol_base(smollm_registry)
+
+
 @pytest.fixture
 def settings(tmp_path: Path, migrated_url: str, tiny_registry: Path) -> Settings:
     return Settings(

@@ -53,7 +53,9 @@ def platform(tmp_path: Path, tiny_registry: Path, ray_cluster: Any) -> dict[str,
         "TUNEFLEET_MODEL_REGISTRY": str(tiny_registry),
         "TUNEFLEET_SERVE_PORT": str(free_port()),
         "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
-        "TUNEFLEET_CONTROLLER_LEASE_TTL_S": "3",
+        # 20 passes of 0.3 s: a pass stalled by a run's start on 2 cores keeps the lease;
+        # each restart here waits out a killed controller's lease, so no longer than that
+        "TUNEFLEET_CONTROLLER_LEASE_TTL_S": "6",
     }
     return {
         "url": url,

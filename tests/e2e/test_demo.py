@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 
 from raycluster import free_port
-from tunefleet.cli._demo import DATA
 from tunefleet.platform.models import BUILTIN_MODEL
 
 pytestmark = pytest.mark.slow
 
 QUESTIONS = 3  # asked through the server by the demo (the efficacy test asks all)
+OPENING_TOKENS = 8
 
 
 def pirate(answer: str) -> bool:
@@ -75,48 +75,32 @@ def test_the_demo_trains_and_compares_answers(demo: Any) -> None:
     assert int(served.group(1)) >= QUESTIONS - 1, answers
 
 
-def _answers(model: Any, tokenizer: Any, questions: list[str]) -> list[str]:
-    """Greedy answers, the first few tokens (enough to see how each one opens)."""
-    import torch
-
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-        )
-        for q in questions
-    ]
-    tokenizer.padding_side = "left"
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=8, do_sample=False)
-    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-
-
-def test_the_demo_adapter_teaches_the_base_model_a_new_behaviour(
-    demo: Any, smollm_registry: Path
-) -> None:
+def test_the_demo_adapter_teaches_the_base_model_a_new_behaviour(demo: Any, smol_base: Any) -> None:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from smolbase import greedy_ids
 
     run, data = demo
     assert run.returncode == 0, run.stderr[-3000:]
     job_id = re.search(r"^Created (ftjob-\S+) on ", run.stdout, re.M).group(1)  # type: ignore[union-attr]
     adapter = data / "artifacts" / "adapters" / job_id
-    model_path = smollm_registry / BUILTIN_MODEL
     # converted from the bundled GGUF to plain fp32 weights: no quantization_config left
-    assert "quantization_config" not in json.loads((model_path / "config.json").read_text())
+    assert "quantization_config" not in json.loads((smol_base.path / "config.json").read_text())
 
-    train = [json.loads(line) for line in (DATA / "demo_train.jsonl").read_text().splitlines()]
-    heldout: list[str] = json.loads((DATA / "demo_heldout.json").read_text())
+    train, heldout = smol_base.train, smol_base.heldout
     asked = {m["messages"][0]["content"] for m in train}
     assert len(heldout) >= 20 and not asked & set(heldout), "held-out means not trained on"
     assert all(pirate(m["messages"][1]["content"]) for m in train)
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    base = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    before = _answers(base, tokenizer, heldout)
-    tuned = PeftModel.from_pretrained(base, adapter).eval()
-    after = _answers(tuned, tokenizer, heldout)
+    # greedy answers, the first few tokens (enough to see how each one opens); the base's
+    # are the ones the DPO efficacy test reads too (tests/e2e/conftest.py)
+    before = [smol_base.answer(q, OPENING_TOKENS) for q in heldout]
+    tuned = PeftModel.from_pretrained(smol_base.model, adapter).eval()
+    try:
+        ids = greedy_ids(tuned, smol_base.tokenizer, heldout, OPENING_TOKENS)
+    finally:
+        tuned.unload()  # the shared base model, as it was
+    after = smol_base.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     rate_before = sum(map(pirate, before)) / len(heldout)
     rate_after = sum(map(pirate, after)) / len(heldout)

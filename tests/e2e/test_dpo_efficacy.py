@@ -27,7 +27,6 @@ from typing import Any
 import pytest
 import torch
 
-from tunefleet.cli._demo import DATA
 from tunefleet.platform.models import BUILTIN_MODEL
 
 pytestmark = pytest.mark.slow
@@ -59,17 +58,11 @@ def plainly(answer: str) -> str:
 
 
 def _greedy(model: Any, tokenizer: Any, questions: list[str]) -> list[str]:
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-        )
-        for q in questions
-    ]
-    tokenizer.padding_side = "left"
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    from smolbase import greedy_ids
+
+    texts = tokenizer.batch_decode(
+        greedy_ids(model, tokenizer, questions, MAX_NEW_TOKENS), skip_special_tokens=True
+    )
     return [_first_sentence(t) for t in texts]
 
 
@@ -105,10 +98,12 @@ def preference_accuracy(model: Any, tokenizer: Any, pairs: list[dict[str, Any]])
 
 @pytest.fixture(scope="module")
 def efficacy(
-    tmp_path_factory: pytest.TempPathFactory, smollm_registry: Path, ray_cluster: Any
+    tmp_path_factory: pytest.TempPathFactory,
+    smollm_registry: Path,
+    smol_base: Any,
+    ray_cluster: Any,
 ) -> Iterator[dict[str, Any]]:
     import ray
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tunefleet.platform.artifacts import ArtifactStore
     from tunefleet.platform.db import File, session_scope
@@ -120,14 +115,16 @@ def efficacy(
     from tunefleet.workers.backend import RayBackend
     from tunefleet.workers.controller import Controller
 
-    model_path = smollm_registry / BUILTIN_MODEL
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    base = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    train = [json.loads(line) for line in (DATA / "demo_train.jsonl").read_text().splitlines()]
+    base, tokenizer, train, heldout = (
+        smol_base.model,
+        smol_base.tokenizer,
+        smol_base.train,
+        smol_base.heldout,
+    )
     questions = [t["messages"][0]["content"] for t in train]
-    heldout: list[str] = json.loads((DATA / "demo_heldout.json").read_text())
     assert not set(questions) & set(heldout), "held-out means not trained on"
-    own = _greedy(base, tokenizer, questions + heldout)
+    # the base's own greedy answers (generated once for the session: tests/smolbase.py)
+    own = [_first_sentence(smol_base.answer(q, MAX_NEW_TOKENS)) for q in questions + heldout]
     assert not any(pirate(a) for a in own), "the base answers plainly"
     train_pairs = []
     for i, (q, t, answer) in enumerate(zip(questions, train, own, strict=False)):
@@ -205,8 +202,11 @@ def test_dpo_teaches_the_preferred_behaviour_on_held_out_prompts(efficacy: dict[
     assert efficacy["spec"]["dpo"] == {"beta": 0.1, "reference": "adapter_disabled"}
     before = preference_accuracy(base, tokenizer, pairs)
     tuned = PeftModel.from_pretrained(base, str(efficacy["adapter"])).eval()
-    after = preference_accuracy(tuned, tokenizer, pairs)
-    answers = _greedy(tuned, tokenizer, efficacy["heldout"])
+    try:
+        after = preference_accuracy(tuned, tokenizer, pairs)
+        answers = _greedy(tuned, tokenizer, efficacy["heldout"])
+    finally:
+        tuned.unload()  # the shared base model, as it was
     talks = sum(map(pirate, answers)) / len(answers)
     print(f"held-out preference accuracy: base {before:.0%}, tuned {after:.0%}; "
           f"greedy answers talking like a pirate: base 0%, tuned {talks:.0%}")  # fmt: skip

@@ -138,7 +138,9 @@ def test_postgres_away_then_tunefleet_up_killed_mid_training_lose_nothing(
         "TUNEFLEET_SERVE_PORT": str(free_port()),
         "TUNEFLEET_RAY_DASHBOARD_PORT": str(free_port()),
         "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
-        "TUNEFLEET_CONTROLLER_LEASE_TTL_S": "3",
+        # a pass stalled by training on 2 cores (the GIL, database writes) must not lose the
+        # lease: 10 s is about 33 passes of 0.3 s
+        "TUNEFLEET_CONTROLLER_LEASE_TTL_S": "10",
         # retries that go on past the kill and the restart (about 3 minutes in all)
         "TUNEFLEET_WEBHOOK_RETRY_DELAYS_S": "[1, 2, 4, 8, 16, 32, 32, 32, 32, 32]",
     }

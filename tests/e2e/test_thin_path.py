@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 TINY = "tiny-llama"
 ANSWER = "red green blue"
 OTHER_ANSWER = "one two three"
-STEPS = 40  # of the pause/resume job
+STEPS = 120  # of the pause/resume job: long enough that the pause lands mid-run
 QUESTIONS = [
     "what color is an apple",
     "name a number",
@@ -512,19 +512,56 @@ def test_a_bad_request_to_serving_fails_alone(
     assert again.json()["choices"][0]["message"]["content"].strip() == ANSWER
 
 
-@pytest.fixture(scope="module")
-def sdk(stack: dict[str, Any], acme_job: dict[str, Any]) -> Iterator[Any]:
+def _tracked_sdk(stack: dict[str, Any], tenant: str) -> Any:
     """The official SDK as a user makes it (its default retries on) against the running
-    API, with every response it got, retries included: a 5xx would be retried silently."""
+    API for ``tenant``, with every response it got in ``.seen``, retries included: a 5xx
+    would be retried silently. Close its ``.http`` after use."""
     from openai import OpenAI
 
     seen: list[httpx.Response] = []
     http = httpx.Client(event_hooks={"response": [seen.append]}, timeout=300)
-    client = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["keys"]["acme"], http_client=http)
+    client = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["keys"][tenant], http_client=http)
     assert client.max_retries == 2
-    client.seen = seen  # type: ignore[attr-defined]
+    client.seen, client.http = seen, http  # type: ignore[attr-defined]
+    return client
+
+
+@pytest.fixture
+def sdk(stack: dict[str, Any], acme_job: dict[str, Any]) -> Iterator[Any]:
+    """acme's tracked SDK (``_tracked_sdk``), one per test: what it saw is that test's own."""
+    client = _tracked_sdk(stack, "acme")
     yield client
-    http.close()
+    client.http.close()
+
+
+@pytest.fixture(scope="module")
+def globex_straight(stack: dict[str, Any]) -> dict[str, Any]:
+    """globex's colors job of STEPS steps, trained straight through: the pause test's
+    reference for resume parity (it starts alongside that test's job), and the model the
+    deletion test deletes, which no other test serves."""
+    client, file_id = _client_with_file(stack, "globex", answer=OTHER_ANSWER)
+    spec = {
+        "model": TINY,
+        "training_file": file_id,
+        "seed": 3,
+        "method": {
+            "type": "supervised",
+            "supervised": {
+                "hyperparameters": {
+                    "n_epochs": 50,
+                    "batch_size": 2,
+                    "learning_rate_multiplier": multiplier_for(1e-2),
+                }
+            },
+        },
+        "tunefleet": {
+            "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["all-linear"]},
+            "max_steps": STEPS,
+            "checkpoint_every_steps": 1000,
+        },
+    }
+    job = client.post("/v1/fine_tuning/jobs", json=spec).json()
+    return {"client": client, "file": file_id, "spec": spec, "job": job}
 
 
 def _no_server_errors(sdk: Any) -> None:
@@ -813,61 +850,31 @@ def test_openai_sdk_fine_tuning_results_checkpoints_and_listings(
     _no_server_errors(sdk)
 
 
-def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_cancel_stops(
-    stack: dict[str, Any], acme_job: dict[str, Any]
+def test_pause_resume_in_the_dashboard_continues_from_the_checkpoint_with_the_same_losses(
+    stack: dict[str, Any], acme_job: dict[str, Any], globex_straight: dict[str, Any]
 ) -> None:
-    client, file_id = _client_with_file(stack, "globex", answer=OTHER_ANSWER)
-    spec = {
-        "model": TINY,
-        "training_file": file_id,
-        "seed": 3,
-        "method": {
-            "type": "supervised",
-            "supervised": {
-                "hyperparameters": {
-                    "n_epochs": 50,
-                    "batch_size": 2,
-                    "learning_rate_multiplier": multiplier_for(1e-2),
-                }
-            },
-        },
-        "tunefleet": {
-            "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["all-linear"]},
-            "max_steps": STEPS,
-            "checkpoint_every_steps": 1000,
-        },
-    }
-    job = client.post("/v1/fine_tuning/jobs", json=spec).json()
-    # the same job, trained straight through alongside, for resume parity (below)
-    straight = client.post("/v1/fine_tuning/jobs", json=spec).json()
-    from openai import OpenAI
+    """globex follows its job in a real browser on the running stack (issue 21): the loss
+    curve grows with no reload, the pause button checkpoints the run and it leaves (no step
+    while paused), the resume button continues it from that checkpoint, every step drawn
+    once, with exactly the losses of the same job trained straight through alongside.
+    Meanwhile acme's adapter keeps serving and the new adapter joins with no restart of the
+    serving application (hot swap); then a cancelled job stops with no adapter. (The SDK's
+    pause and resume: the DPO test below.)"""
+    from browser import chromium, points, sign_in, watch_csp
 
-    globex = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["keys"]["globex"])
-    _wait(client, job["id"], lambda j, ev: len(_steps(ev)) >= 3, "three steps")
-    assert globex.fine_tuning.jobs.retrieve(job["id"]).estimated_finish is not None
-    paused = globex.fine_tuning.jobs.pause(job["id"])
-    assert paused.status == "paused" and paused.estimated_finish is None
-    _, events = _wait(
-        client,
-        job["id"],
-        lambda j, ev: any(e["message"].startswith("Paused at step") for e in ev),
-        "the run to checkpoint and leave",
-    )
-    # the run's last reports came after the pause: still no estimate
-    assert globex.fine_tuning.jobs.retrieve(job["id"]).estimated_finish is None
-    paused_at = int(
-        next(e["message"] for e in events if e["message"].startswith("Paused at step")).split()[-1]
-    )
-    assert _steps(events)[-1] == paused_at
-    _run_over(stack, f"{job['id']}-1")  # the run has left: no step is taken while paused
-    _, events = _wait(client, job["id"], lambda j, ev: True, "events")
-    assert _steps(events)[-1] == paused_at
-    ckpts = client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
-    assert ckpts[0]["step_number"] == paused_at
+    client, spec = globex_straight["client"], globex_straight["spec"]
+    straight = globex_straight["job"]  # the same job, trained straight through alongside
+    job = client.post("/v1/fine_tuning/jobs", json=spec).json()
+    url, page_of = stack["url"], f"{stack['url']}/ui/jobs/{job['id']}"
+
+    def until(check: Any, what: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            assert time.monotonic() < deadline, f"the page never showed {what}"
+            page.wait_for_timeout(500)
 
     # hot swap: acme's adapter keeps serving (its own answer) while this job finishes;
-    # then this job's adapter answers too (its answer, not acme's), with no restart of
-    # the serving application
+    # then this job's adapter answers too (its answer, not acme's)
     acme = httpx.Client(
         base_url=stack["url"],
         timeout=300,
@@ -885,12 +892,52 @@ def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_can
             answer = resp.json()["choices"][0]["message"]["content"] if resp.is_success else ""
             served.append((resp.status_code, answer.strip()))
 
-    background = threading.Thread(target=traffic, daemon=True)
-    background.start()
-    assert client.post(f"/v1/fine_tuning/jobs/{job['id']}/resume").json()["status"] == "queued"
-    job, events = _wait(
-        client, job["id"], lambda j, ev: j["status"] == "succeeded", "the resumed job to finish"
-    )
+    with chromium() as browser:
+        page = browser.new_context().new_page()
+        violations = watch_csp(page)
+        sign_in(page, url, stack["keys"]["globex"])
+        page.goto(page_of)
+        until(lambda: page.locator("#loss polyline").count() and points(page) >= 2, "a step")
+        page.evaluate("window.tunefleetMarker = 'same document'")
+        drawn = points(page)
+        until(lambda: points(page) > drawn, "the curve grow")
+        assert page.evaluate("window.tunefleetMarker") == "same document"
+
+        page.click("button.action-pause")
+        page.wait_for_url(f"{page_of}?done=pause")
+        assert client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["status"] == "paused"
+        _, events = _wait(
+            client,
+            job["id"],
+            lambda j, ev: any(e["message"].startswith("Paused at step") for e in ev),
+            "the run to checkpoint and leave",
+        )
+        paused_at = int(
+            next(e["message"] for e in events if e["message"].startswith("Paused at step")).split()[
+                -1
+            ]
+        )
+        assert _steps(events)[-1] == paused_at < STEPS
+        _run_over(stack, f"{job['id']}-1")  # the run has left: no step is taken while paused
+        _, events = _wait(client, job["id"], lambda j, ev: True, "events")
+        assert _steps(events)[-1] == paused_at
+        ckpts = client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
+        assert ckpts[0]["step_number"] == paused_at
+        page.goto(page_of)
+        assert "paused" in page.locator("#job-live .status").inner_text()
+        assert points(page) == paused_at
+
+        background = threading.Thread(target=traffic, daemon=True)
+        background.start()
+        page.click("button.action-resume")
+        page.wait_for_url(f"{page_of}?done=resume")
+        until(lambda: "succeeded" in page.locator("#job-live .status").inner_text(), "success")
+        page.goto(page_of)
+        assert points(page) == STEPS  # each step once: resumed where it paused
+        assert page.locator("button.action-resume").count() == 0
+        assert violations == []
+
+    job, events = _wait(client, job["id"], lambda j, ev: j["status"] == "succeeded", "success")
     new_answer = client.post(
         "/v1/chat/completions",
         json={
@@ -922,6 +969,9 @@ def test_pause_resume_continues_from_the_checkpoint_with_the_same_losses_and_can
     assert _losses(straight_events) == _losses(events)
 
     # cancel a running job: the Ray job stops, no adapter is made
+    from openai import OpenAI
+
+    globex = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["keys"]["globex"])
     job = client.post("/v1/fine_tuning/jobs", json={**spec, "seed": 4}).json()
     _wait(client, job["id"], lambda j, ev: len(_steps(ev)) >= 1, "a first step")
     cancelled = globex.fine_tuning.jobs.cancel(job["id"])
@@ -941,7 +991,8 @@ def test_dpo_continues_a_supervised_adapter_through_the_api_pauses_resumes_and_s
     supervised colors job's adapter, preferring another answer over the one that job
     taught, and the same job again, trained straight through alongside. The first is
     paused mid-run and resumed: it continues from its checkpoint with the reference scores
-    its first run took, and ends with exactly the straight job's losses and DPO metrics.
+    its first run took, and ends with exactly the straight job's losses and DPO metrics
+    (paused and resumed through the official SDK: no estimated finish while paused).
     Its adapter is served like any other, and no longer gives the answer it was taught to
     disprefer."""
     client = acme_job["client"]
@@ -986,16 +1037,23 @@ def test_dpo_continues_a_supervised_adapter_through_the_api_pauses_resumes_and_s
     job = client.post("/v1/fine_tuning/jobs", json=spec).json()
     assert job["method"]["type"] == "dpo" and job["tunefleet"]["init_from_job"] == sft["id"], job
     straight = client.post("/v1/fine_tuning/jobs", json=spec).json()
+    from openai import OpenAI
+
+    sdk = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["keys"]["acme"])
     _wait(client, job["id"], lambda j, ev: len(_steps(ev)) >= 3, "three steps")
-    assert client.post(f"/v1/fine_tuning/jobs/{job['id']}/pause").json()["status"] == "paused"
+    assert sdk.fine_tuning.jobs.retrieve(job["id"]).estimated_finish is not None
+    paused = sdk.fine_tuning.jobs.pause(job["id"])
+    assert paused.status == "paused" and paused.estimated_finish is None
     _, events = _wait(
         client,
         job["id"],
         lambda j, ev: any(e["message"].startswith("Paused at step") for e in ev),
         "the run to checkpoint and leave",
     )
+    # the run's last reports came after the pause: still no estimate
+    assert sdk.fine_tuning.jobs.retrieve(job["id"]).estimated_finish is None
     _run_over(stack, f"{job['id']}-1")
-    assert client.post(f"/v1/fine_tuning/jobs/{job['id']}/resume").json()["status"] == "queued"
+    assert sdk.fine_tuning.jobs.resume(job["id"]).status == "queued"
     job, events = _wait(
         client, job["id"], lambda j, ev: j["status"] == "succeeded", "the resumed DPO job"
     )
@@ -1037,66 +1095,6 @@ def test_dpo_continues_a_supervised_adapter_through_the_api_pauses_resumes_and_s
     # the supervised adapter's answer is the non-preferred one: no longer what it says
     # (what the preferred behaviour looks like on a real model: test_dpo_efficacy.py)
     assert answer.json()["choices"][0]["message"]["content"].strip() != ANSWER
-
-
-def test_the_dashboard_follows_a_real_job_through_pause_and_resume(
-    stack: dict[str, Any], acme_job: dict[str, Any]
-) -> None:
-    """The dashboard on the running stack (issue 21): acme signs in with its key in a real
-    browser, watches a job train on Ray (its loss curve grows with no reload), pauses it
-    with the button (the run checkpoints and leaves), resumes it, and sees it succeed with
-    every step drawn once."""
-    from browser import chromium, points, sign_in, watch_csp
-
-    client, file_id = _client_with_file(stack, "acme")
-    steps = 120  # long enough that the pause lands mid-run
-    hp = {"n_epochs": 50, "batch_size": 2, "learning_rate_multiplier": multiplier_for(1e-2)}
-    job = client.post(
-        "/v1/fine_tuning/jobs",
-        json={
-            "model": TINY,
-            "training_file": file_id,
-            "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
-            "tunefleet": {"max_steps": steps, "checkpoint_every_steps": 1000},
-        },
-    ).json()
-    url, page_of = stack["url"], f"{stack['url']}/ui/jobs/{job['id']}"
-
-    def until(check: Any, what: str, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            assert time.monotonic() < deadline, f"the page never showed {what}"
-            page.wait_for_timeout(500)
-
-    with chromium() as browser:
-        page = browser.new_context().new_page()
-        violations = watch_csp(page)
-        sign_in(page, url, stack["keys"]["acme"])
-        page.goto(page_of)
-        until(lambda: page.locator("#loss polyline").count() and points(page) >= 2, "a step")
-        page.evaluate("window.tunefleetMarker = 'same document'")
-        drawn = points(page)
-        until(lambda: points(page) > drawn, "the curve grow")
-        assert page.evaluate("window.tunefleetMarker") == "same document"
-
-        page.click("button.action-pause")
-        page.wait_for_url(f"{page_of}?done=pause")
-        _, events = _wait(
-            client,
-            job["id"],
-            lambda j, ev: any(e["message"].startswith("Paused at step") for e in ev),
-            "the run to checkpoint and leave",
-        )
-        page.goto(page_of)
-        assert "paused" in page.locator("#job-live .status").inner_text()
-        assert points(page) == _steps(events)[-1]
-        page.click("button.action-resume")
-        page.wait_for_url(f"{page_of}?done=resume")
-        until(lambda: "succeeded" in page.locator("#job-live .status").inner_text(), "success")
-        page.goto(page_of)
-        assert points(page) == steps  # each step once: resumed where it paused
-        assert page.locator("button.action-resume").count() == 0
-        assert violations == []
 
 
 def test_the_dashboard_serves_an_adapter_merged_and_shows_its_traffic(
@@ -1194,12 +1192,22 @@ def test_the_playground_streams_the_base_and_an_adapter_side_by_side(
 
 
 def test_openai_sdk_deletes_a_fine_tuned_model_and_it_stops_answering(
-    sdk: Any, acme_job: dict[str, Any]
+    stack: dict[str, Any], globex_straight: dict[str, Any]
 ) -> None:
-    """Last in this module: it deletes acme's model."""
+    """globex deletes the model of its straight job (which no other test serves)."""
     import openai
 
-    model = acme_job["job"]["fine_tuned_model"]
+    job, _ = _wait(
+        globex_straight["client"],
+        globex_straight["job"]["id"],
+        lambda j, ev: j["status"] == "succeeded",
+        "the straight job to finish",
+    )
+    sdk = _tracked_sdk(stack, "globex")
+    model = job["fine_tuned_model"]
+    assert sdk.chat.completions.create(  # served until deleted
+        model=model, max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+    ).choices
     deleted = sdk.models.delete(model)
     assert deleted.deleted and deleted.id == model
     assert model not in [m.id for m in sdk.models.list()]
@@ -1210,3 +1218,4 @@ def test_openai_sdk_deletes_a_fine_tuned_model_and_it_stops_answering(
     with pytest.raises(openai.PermissionDeniedError, match="base model"):
         sdk.models.delete(TINY)
     _no_server_errors(sdk)
+    sdk.http.close()
