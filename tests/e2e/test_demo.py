@@ -93,7 +93,7 @@ def test_the_demo_adapter_teaches_the_base_model_a_new_behaviour(demo: Any, smol
     assert all(pirate(m["messages"][1]["content"]) for m in train)
 
     # greedy answers, the first few tokens (enough to see how each one opens); the base's
-    # are the ones the DPO efficacy test reads too (tests/e2e/conftest.py)
+    # are the ones the DPO efficacy test reads too (tests/smolbase.py)
     before = [smol_base.answer(q, OPENING_TOKENS) for q in heldout]
     tuned = PeftModel.from_pretrained(smol_base.model, adapter).eval()
     try:
