@@ -33,6 +33,7 @@ import machine  # noqa: E402
 from tunefleet.platform.scheduler import (  # noqa: E402
     Dispatch,
     Node,
+    NodeType,
     QueuedJob,
     Snapshot,
     TenantQuota,
@@ -98,6 +99,19 @@ def planning(plans: int) -> dict[str, Any]:
         return statistics.median(times), result
 
     policy_s, decisions = timed(lambda: plan(snapshot, 1e9))
+    # the same queue on a cluster that can also grow: 8 node types of 1-8 GPUs, at most
+    # 4 nodes each (the jobs that do not fit wait for nodes, each promised its own)
+    growing = Snapshot(
+        queued=snapshot.queued,
+        running=[],
+        tenants=snapshot.tenants,
+        nodes=snapshot.nodes,
+        node_types=[
+            NodeType(f"group-{k}", cpus=16 * (1 + k % 4), gpus=2 ** (k % 4), max_count=4)
+            for k in range(8)
+        ],
+    )
+    growing_s, grown = timed(lambda: plan(growing, 1e9))
     baseline_s, baseline = timed(lambda: fifo_first_fit(snapshot))
     started = [d for d in decisions if isinstance(d, Dispatch)]
     tenant_of = {j.id: j.tenant_id for j in jobs}
@@ -109,6 +123,9 @@ def planning(plans: int) -> dict[str, Any]:
         "policy_plans_per_s": round(1 / policy_s, 1),
         "baseline_fifo_ms_per_plan": round(1000 * baseline_s, 2),
         "policy_over_baseline": round(policy_s / baseline_s, 2),
+        "policy_with_8_node_types_ms_per_plan": round(1000 * growing_s, 2),
+        "node_types_over_live_nodes_only": round(growing_s / policy_s, 2),
+        "waiting_for_new_nodes": sum(1 for d in grown if getattr(d, "grow", None)),
         "dispatched_policy": len(started),
         "dispatched_baseline": len(baseline),
         "tenants_started_policy": len({tenant_of[d.job_id] for d in started}),

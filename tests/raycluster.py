@@ -9,6 +9,7 @@ machine: a ``tunefleet up`` someone has running, a benchmark, another suite).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -106,9 +108,17 @@ def _node_ports() -> list[str]:
 
 
 @contextlib.contextmanager
-def ray_cluster(num_cpus: int, resources: str = "") -> Iterator[RayCluster]:
+def ray_cluster(
+    num_cpus: int, resources: str = "", node_types: dict[str, Any] | None = None
+) -> Iterator[RayCluster]:
     """Start a one-node cluster of ``num_cpus`` logical CPUs (and custom ``resources``, a
     JSON object); stop its process group on exit.
+
+    With ``node_types`` (the autoscaler's ``available_node_types`` for worker nodes), the
+    head runs Ray's own autoscaler over its fake multi-node provider
+    (``ray.cluster_utils.AutoscalingCluster``'s, which cannot be used as it is: it runs
+    ``ray stop --force``, and the wheel lacks its base config): the autoscaler starts and
+    stops real worker nodes on this machine, in the head's process group.
 
     The auth mode and token come from the environment (tests/conftest.py sets a token of
     the session's own), so this process's Ray clients and the cluster agree."""
@@ -116,6 +126,13 @@ def ray_cluster(num_cpus: int, resources: str = "") -> Iterator[RayCluster]:
     port, dashboard, agent = free_port(), free_port(), free_port()
     metrics = free_port()
     log = temp_dir / "ray-start.log"
+    autoscaling: list[str] = []
+    env = dict(os.environ)
+    if node_types is not None:
+        config = temp_dir / "autoscaling.json"
+        config.write_text(json.dumps(_fake_cluster(num_cpus, node_types, f"127.0.0.1:{port}")))
+        autoscaling = [f"--autoscaling-config={config}"]
+        env.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [
@@ -131,9 +148,11 @@ def ray_cluster(num_cpus: int, resources: str = "") -> Iterator[RayCluster]:
                 *("--dashboard-agent-listen-port", str(agent)),
                 *("--metrics-export-port", str(metrics)),
                 *_node_ports(),
+                *autoscaling,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
+            env=env,
             start_new_session=True,  # its own process group: stopped by that group alone
         )
     try:
@@ -148,6 +167,52 @@ def ray_cluster(num_cpus: int, resources: str = "") -> Iterator[RayCluster]:
     finally:
         stop_group(proc.pid)
         proc.wait(10)
+
+
+def _fake_cluster(head_cpus: int, node_types: dict[str, Any], gcs: str) -> dict[str, Any]:
+    """The fake multi-node provider's cluster config (Ray's
+    ``autoscaler/_private/fake_multi_node/example.yaml``, which its wheel does not ship):
+    workers of ``node_types`` that join the GCS at ``gcs``, idle ones removed after 6 s."""
+    return {
+        "cluster_name": "fake_multinode",
+        "max_workers": 8,
+        "provider": {
+            "type": "fake_multinode",
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+            "gcs_address": gcs,
+        },
+        "available_node_types": {
+            "ray.head.default": {
+                "resources": {"CPU": head_cpus},
+                "node_config": {},
+                "max_workers": 0,
+            },
+            **node_types,
+        },
+        "head_node_type": "ray.head.default",
+        "auth": {},
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": 0.1,
+        "docker": {},
+        **{
+            key: []
+            for key in (
+                "initialization_commands",
+                "setup_commands",
+                "head_setup_commands",
+                "worker_setup_commands",
+                "head_start_ray_commands",
+                "worker_start_ray_commands",
+                "cluster_synced_files",
+                "rsync_exclude",
+                "rsync_filter",
+            )
+        },
+        "file_mounts": {},
+        "file_mounts_sync_continuously": False,
+    }
 
 
 @contextlib.contextmanager

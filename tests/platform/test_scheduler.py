@@ -6,7 +6,9 @@ from dataclasses import replace
 
 from tunefleet.platform.scheduler import (
     Dispatch,
+    Grow,
     Node,
+    NodeType,
     QueuedJob,
     Reject,
     RunningJob,
@@ -172,7 +174,72 @@ def test_impossible_requests_are_rejected_with_what_the_cluster_has() -> None:
     job = q("huge", "a", 0, workers=2, gpus_per_worker=4)
     (d,) = plan(Snapshot([job], [], {}, [Node("n", cpus=16, gpus=2)]), 0.0)
     assert isinstance(d, Reject)
-    assert "2 worker(s)" in d.reason and "largest with 16 CPU and 2 GPU" in d.reason
+    assert (
+        "2 worker(s)" in d.reason and "largest node live node n with 16 CPU and 2 GPU" in d.reason
+    )
+
+
+def test_a_job_no_live_node_holds_waits_for_the_nodes_its_node_type_can_add() -> None:
+    """A GPU job on a cluster whose GPU group is at zero: it waits for the autoscaler,
+    naming the group and the count, with its gang's bundles to ask for; the group's
+    ``max_count`` less its live nodes is what can still come."""
+    head = Node("head", cpus=2)
+    gpu = NodeType("gpu-a100", cpus=8, gpus=1, resources={"a100": 1}, max_count=3)
+    job = q("g", "a", 0, workers=2, cpus_per_worker=4, gpus_per_worker=1)
+    (d,) = plan(Snapshot([job], [], {}, [head], node_types=[gpu]), 1.0)
+    assert isinstance(d, Wait)
+    assert d.reason == "waiting for the autoscaler to add 2 node(s) of group gpu-a100"
+    assert d.grow == Grow((("gpu-a100", 2),), ({"CPU": 4, "GPU": 1},) * 2)
+    # two of three are up (elsewhere busy): one more can come, and the gang needs two
+    up = replace(gpu, live=2)
+    (d,) = plan(Snapshot([job], [], {}, [head], node_types=[up]), 1.0)
+    assert isinstance(d, Reject) and "of node type 'gpu-a100' (at most 3)" in d.reason
+    # a live node with room: the job starts there, nothing is asked
+    live = Node("gpu-1", cpus=8, gpus=1, resources={"a100": 1})
+    one = q("one", "a", 0, cpus_per_worker=4, gpus_per_worker=1)
+    (d,) = plan(Snapshot([one], [], {}, [head, live], node_types=[gpu]), 1.0)
+    assert d == Dispatch("one", ("gpu-1",))
+
+
+def test_nodes_promised_to_one_waiting_job_are_not_counted_again_for_the_next() -> None:
+    gpu = NodeType("gpu", cpus=8, gpus=1, max_count=2)
+    jobs = [q(f"j{i}", f"t{i}", i, workers=2, cpus_per_worker=1, gpus_per_worker=1) for i in (0, 1)]
+    first, second = plan(Snapshot(jobs, [], {}, [Node("head", cpus=2)], node_types=[gpu]), 5.0)
+    assert isinstance(first, Wait) and first.grow is not None
+    assert first.grow.nodes == (("gpu", 2),)
+    assert isinstance(second, Wait) and second.grow is None
+    assert "to be free at once" in second.reason
+
+
+def test_a_job_asking_for_a_resource_goes_only_where_a_node_has_it() -> None:
+    plain = Node("plain", cpus=8)
+    special = Node(
+        "special", cpus=2, resources={"accelerator": 1}, free_resources={"accelerator": 1}
+    )
+    job = q("x", "a", 0, resources_per_worker={"accelerator": 1})
+    (d,) = plan(Snapshot([job], [], {}, [plain, special]), 1.0)
+    assert d == Dispatch("x", ("special",))
+    busy = replace(special, free_resources={"accelerator": 0})
+    (d,) = plan(Snapshot([job], [], {}, [plain, busy]), 1.0)
+    assert isinstance(d, Wait) and d.grow is None
+    # nobody has two of it, and no node type adds one: never
+    two = q("two", "a", 0, resources_per_worker={"accelerator": 2})
+    (d,) = plan(Snapshot([two], [], {}, [plain, special]), 1.0)
+    assert isinstance(d, Reject) and "2 accelerator each" in d.reason
+    (d,) = plan(
+        Snapshot([two], [], {}, [plain], node_types=[NodeType("big", 4, 0, {"accelerator": 4})]),
+        1.0,
+    )
+    assert (
+        isinstance(d, Wait)
+        and d.grow is not None
+        and d.grow.bundles == ({"CPU": 1, "accelerator": 2},)
+    )
+
+
+def test_without_nodes_or_node_types_a_job_is_rejected_saying_so() -> None:
+    (d,) = plan(Snapshot([q("x", "a", 0)], [], {}, []), 1.0)
+    assert isinstance(d, Reject) and "no nodes and no node types" in d.reason
 
 
 def test_retry_backoff_waits_until_not_before() -> None:

@@ -5,8 +5,10 @@ cancel that races a pass is respected, not overwritten."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,7 +20,7 @@ from tunefleet.platform.db import Adapter, File, Job, session_scope
 from tunefleet.platform.jobs import JobCreateRequest, create_job, list_events
 from tunefleet.platform.lease import Lease, LeaseLost
 from tunefleet.platform.models import ModelRegistry
-from tunefleet.platform.scheduler import Node
+from tunefleet.platform.scheduler import Node, NodeType
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.status import JobStatus, transition
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
@@ -40,6 +42,10 @@ class TwinBackend:
         self.channels: dict[str, RunChannel] = {}  # run id -> its channel, in-process
         self.pushed: list[tuple[str, dict[str, list[str]]]] = []
         self.node_ids = ["twin"]  # the cluster's live nodes
+        self.more_nodes: list[Node] = []  # live nodes of other shapes
+        self.types: list[NodeType] = []  # the node types it can add
+        self.draining: dict[str, float] = {}  # node id -> drain deadline
+        self.requests: list[list[dict[str, float]]] = []  # asked of the autoscaler
 
     def submit_run(self, sid: str, job_id: str, env: dict[str, str]) -> None:
         if self.refuse_submits:
@@ -60,7 +66,16 @@ class TwinBackend:
         self.status[sid] = "STOPPED"
 
     def nodes(self) -> list[Node]:
-        return [Node(node_id, cpus=1) for node_id in self.node_ids]
+        return [Node(node_id, cpus=1) for node_id in self.node_ids] + self.more_nodes
+
+    def node_types(self) -> list[NodeType]:
+        return self.types
+
+    def draining_nodes(self) -> dict[str, float]:
+        return self.draining
+
+    def request_capacity(self, bundles: list[dict[str, float]]) -> None:
+        self.requests.append(bundles)
 
     def deploy_model_server(self, base_model: str, model_path: str) -> str:
         self.deployed.append(base_model)
@@ -90,16 +105,18 @@ class TwinBackend:
         self.channels.pop(sid, None)
 
 
-def _job(settings: Settings, **request: Any) -> str:
+def _job(
+    settings: Settings, tenant_name: str = "acme", file_id: str = "file-1", **request: Any
+) -> str:
     url = settings.resolved_database_url
     store = ArtifactStore(settings.resolved_artifact_root)
     with session_scope(url) as s:
-        tenant = create_tenant(s, "acme")
+        tenant = create_tenant(s, tenant_name)
         _, key = create_key(s, tenant.id)
-        add_chat_file(s, store, tenant.id, "file-1", copies=3)
+        add_chat_file(s, store, tenant.id, file_id, copies=3)
         principal = authenticate(s, f"Bearer {key}")
         req = JobCreateRequest.model_validate(
-            {"model": "tiny-llama", "training_file": "file-1", **request}
+            {"model": "tiny-llama", "training_file": file_id, **request}
         )
         return create_job(s, principal, req, ModelRegistry(settings.resolved_model_registry)).id
 
@@ -204,6 +221,98 @@ def test_a_run_whose_node_left_is_stopped_and_the_job_goes_on_elsewhere(
     assert any(m.startswith("Node(s) twin left the Ray cluster") for m in events), events
 
 
+ACCELERATED = {"resources": {"custom_resources_per_worker": {"accelerator": 1}}}
+
+
+def test_a_job_for_a_node_type_at_zero_waits_for_it_and_starts_when_it_comes(
+    settings: Settings,
+) -> None:
+    """The controller asks Ray's autoscaler for the waiting job's gang beside the running
+    workers, says so on the job with the time it asked, and withdraws the request once
+    the job runs."""
+    twin = TwinBackend()
+    twin.types = [NodeType("accel", cpus=1, resources={"accelerator": 1}, max_count=2)]
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    plain = _job(settings)
+    ctl.tick()  # the plain job runs on "twin"
+    job_id = _job(settings, "globex", "file-2", tunefleet=ACCELERATED)
+    ctl.tick()
+    ctl.tick()  # asked once, not again while nothing changes
+    assert twin.requests == [[], [{"CPU": 1, "accelerator": 1}, {"CPU": 1}]]
+    url = settings.resolved_database_url
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "queued"
+        (event,) = [e for e in list_events(s, job_id, limit=50)[0] if "autoscaler" in e.message]
+    assert event.message.startswith(
+        "Waiting in queue at position 1: waiting for the autoscaler to add 1 node(s) of "
+        "group accel (requested at "
+    )
+    assert event.data is not None and event.data["capacity_request"]["nodes"] == {"accel": 1}
+
+    twin.more_nodes = [Node("accel-1", cpus=1, resources={"accelerator": 1})]
+    twin.types = [replace(twin.types[0], live=1)]
+    ctl.tick()
+    assert twin.submitted == [f"{plain}-1", f"{job_id}-1"]
+    assert twin.requests[-1] == []  # withdrawn: nothing waits
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.placement == {"nodes": ["accel-1"]}
+
+
+def test_a_job_that_waits_for_nodes_too_long_fails_saying_what_to_check(
+    settings: Settings,
+) -> None:
+    twin = TwinBackend()
+    twin.types = [NodeType("accel", cpus=1, resources={"accelerator": 1}, max_count=2)]
+    ctl = Controller(settings.model_copy(update={"capacity_wait_s": 0.5}), twin)  # type: ignore[arg-type]
+    job_id = _job(settings, tunefleet=ACCELERATED)
+    ctl.tick()
+    time.sleep(0.6)
+    ctl.tick()
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "failed" and job.error is not None
+    assert job.error["code"] == "capacity_timeout"
+    assert "longer than the 0 s allowed (TUNEFLEET_CAPACITY_WAIT_S)" in job.error["message"]
+    assert "maxReplicas" in job.error["message"]
+    assert twin.requests[-1] == []
+
+
+def test_a_job_whose_node_is_drained_checkpoints_and_resumes_elsewhere_without_a_retry(
+    settings: Settings,
+) -> None:
+    twin = TwinBackend()
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    job_id = _job(settings)
+    url = settings.resolved_database_url
+    ctl.tick()
+    sid = f"{job_id}-1"
+    channel = twin.channels[sid]
+    twin.node_ids = ["twin", "twin-2"]
+    twin.draining = {"twin": time.time() + 60}
+    ctl.tick()  # queued again
+    ctl.tick()  # the run is told to checkpoint and leave, as on a pause
+    stop, _ = channel.post([{"kind": "checkpoint", "step": 3, "path": "x", "metrics": {}}])
+    assert stop is not None and stop["stop"] == "paused"
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "queued" and job.failures == 0
+    assert twin.submitted == [sid]  # the run has not left yet: nothing new starts
+    twin.status[sid] = "SUCCEEDED"  # it checkpointed and left
+    ctl.tick()
+    assert twin.submitted == [sid, f"{job_id}-2"]
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "running" and job.failures == 0
+        assert job.placement == {"nodes": ["twin-2"]}  # not the draining node
+        events = [e.message for e in list_events(s, job_id, limit=50)[0]]
+    drained = re.compile(r"Node\(s\) twin \(deadline in (59|60) s\) are being drained")
+    assert any(drained.match(m) for m in events), events
+    assert "Checkpoint saved at step 3" in events
+    assert any(m.endswith("it resumes from the checkpoint at step 3") for m in events), events
+
+
 def test_runs_report_through_their_channel_and_learn_to_stop_from_it(
     settings: Settings,
 ) -> None:
@@ -286,7 +395,7 @@ def test_a_job_larger_than_the_cluster_fails_with_what_the_cluster_has(
         job = s.get(Job, job_id)
         assert job is not None and job.status == "failed"
         assert job.error is not None and job.error["code"] == "does_not_fit_cluster"
-        assert "largest with 1 CPU" in job.error["message"]
+        assert "largest node live node twin with 1 CPU" in job.error["message"]
     assert twin.submitted == []
 
 
@@ -469,7 +578,7 @@ class ServeFailingOnceTwin(TwinBackend):
 
 
 class Clock:
-    """The controller module's ``time``, its monotonic clock moved by hand."""
+    """The serving module's ``time``, its monotonic clock moved by hand."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -486,10 +595,10 @@ def test_a_failed_model_server_deploy_is_retried_after_60_s(
 ) -> None:
     """docs/reliability.md: a failed Serve deploy is retried after 60 s, not on the passes
     before it (its job says why once, and waits), and the job succeeds once it starts."""
-    from tunefleet.workers import controller as module
+    from tunefleet.workers import _serving
 
     clock = Clock()
-    monkeypatch.setattr(module, "time", clock)
+    monkeypatch.setattr(_serving, "time", clock)
     twin = ServeFailingOnceTwin()
     ctl = Controller(settings, twin)  # type: ignore[arg-type]
     url = settings.resolved_database_url
@@ -679,12 +788,12 @@ def test_counting_a_large_file_holds_up_no_pass(settings: Settings) -> None:
     while twin.submitted != [f"{first}-1"]:
         assert time.monotonic() < deadline, twin.submitted
         ctl.tick()  # one CPU: the first runs, the second waits
-    ctl.ADMISSION_WAIT_S = 0.2
+    ctl.admission.ADMISSION_WAIT_S = 0.2
     twin.status[f"{first}-1"] = "FAILED"  # the first is requeued: the second can start
 
     release = threading.Event()
     started, held = threading.Event(), threading.Event()
-    counting = ctl._file_stats
+    counting = ctl.admission._file_stats
 
     def slow(file_id: str, *args: Any) -> dict[str, int]:
         if file_id == "file-1":  # the large file, as slow as one can be
@@ -693,7 +802,7 @@ def test_counting_a_large_file_holds_up_no_pass(settings: Settings) -> None:
             held.set()  # 30 s on, or released: a pass that waited for it ends after this
         return counting(file_id, *args)
 
-    ctl._file_stats = slow  # type: ignore[method-assign]
+    ctl.admission._file_stats = slow  # type: ignore[method-assign]
     large = _job(settings)
     ctl.tick()
     # no clock: the pass ended while the count it started still waits to be released
@@ -716,7 +825,7 @@ def test_counting_a_large_file_holds_up_no_pass(settings: Settings) -> None:
 def test_counting_past_its_time_limit_fails_the_job_with_the_fix(settings: Settings) -> None:
     twin = TwinBackend()
     ctl = Controller(settings, twin)  # type: ignore[arg-type]
-    ctl.ADMISSION_TIMEOUT_S = 0.0
+    ctl.admission.ADMISSION_TIMEOUT_S = 0.0
     job_id = _job(settings)
     ctl.tick()
     with session_scope(settings.resolved_database_url) as s:
@@ -750,7 +859,7 @@ def test_a_slow_model_server_deploy_holds_up_no_pass(settings: Settings) -> None
     twin = SlowServeTwin()
     twin.nodes = lambda: [Node("twin", cpus=2)]  # type: ignore[method-assign]
     ctl = Controller(settings, twin)  # type: ignore[arg-type]
-    ctl.SERVE_WAIT_S = 0.2
+    ctl.serving.SERVE_WAIT_S = 0.2
     url = settings.resolved_database_url
     done, other = _jobs(settings, 2)
     ctl.tick()
@@ -759,7 +868,7 @@ def test_a_slow_model_server_deploy_holds_up_no_pass(settings: Settings) -> None
     twin.status[f"{done}-1"] = SUCCEEDED
     twin.status[f"{other}-1"] = "FAILED"
     ctl.tick()
-    ctl.SERVE_SLOW_S = 0.0  # from now on the deploy counts as slow
+    ctl.serving.SERVE_SLOW_S = 0.0  # from now on the deploy counts as slow
     for _ in range(3):
         ctl.tick()
         time.sleep(0.6)

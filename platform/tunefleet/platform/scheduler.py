@@ -7,8 +7,9 @@ controller builds the snapshot from the database and Ray and applies the decisio
 The rules, in order:
 
 1. **Admission.** A job whose gang (all its workers) could not be placed even on an empty
-   cluster is rejected with what it asked for and what the largest node has. A job in
-   retry backoff (``not_before`` in the future) waits.
+   cluster grown to its limits (the live nodes, and as many more of each node type the
+   autoscaler can add as it allows) is rejected with what it asked for and what the
+   largest node type has. A job in retry backoff (``not_before`` in the future) waits.
 2. **Priority classes.** Higher ``priority`` is considered first, whole class by class.
 3. **Fair share.** Within a class, the next job considered is the oldest of the tenant
    with the smallest *weighted dominant share*: the larger of its running CPU and GPU
@@ -20,7 +21,11 @@ The rules, in order:
 5. **Gang placement.** All of a job's workers are placed on nodes' free CPUs/GPUs, or
    none is (best fit per worker: the node that leaves the least room, keeping large gaps
    for large jobs). The run itself gets its workers from one Ray placement group.
-6. **Backfill.** A job that does not fit now does not stop a smaller job of the same class
+6. **Growth.** A job that does not fit the live nodes' free capacity but would fit with
+   nodes the autoscaler can still add waits for them: its ``Wait`` names the node types
+   and counts (``Grow``), which the controller asks Ray's autoscaler for. Those nodes are
+   then promised to it: the next job that needs growth counts only what is left.
+7. **Backfill.** A job that does not fit now does not stop a smaller job of the same class
    behind it from starting in the gap, unless it has waited ``starvation_s``: then it
    reserves, and nothing ranked after it starts until it does. A job that does not fit
    also stops all lower classes (priority means waiting for capacity first).
@@ -32,7 +37,7 @@ position a job is told is its place in the order the policy would start them.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 STARVATION_S = 600.0
@@ -40,13 +45,16 @@ STARVATION_S = 600.0
 
 @dataclass(frozen=True)
 class Node:
-    """A Ray node: its total and currently free (not held by TuneFleet runs) resources."""
+    """A Ray node: its total and currently free (not held by TuneFleet runs) resources.
+    ``resources`` are its other Ray resources (an accelerator type, an operator's own)."""
 
     id: str
     cpus: float
     gpus: float = 0.0
     free_cpus: float | None = None
     free_gpus: float | None = None
+    resources: Mapping[str, float] = field(default_factory=dict)
+    free_resources: Mapping[str, float] | None = None
 
     @property
     def free(self) -> tuple[float, float]:
@@ -54,6 +62,25 @@ class Node:
             self.cpus if self.free_cpus is None else self.free_cpus,
             self.gpus if self.free_gpus is None else self.free_gpus,
         )
+
+
+@dataclass(frozen=True)
+class NodeType:
+    """A kind of node the cluster can add (an autoscaler's node type, a KubeRay worker
+    group): what one node has, how many the group may hold (``max_count``, -1 for no
+    limit) and how many of them are up now (``live``)."""
+
+    name: str
+    cpus: float
+    gpus: float = 0.0
+    resources: Mapping[str, float] = field(default_factory=dict)
+    max_count: int = -1
+    live: int = 0
+
+    def addable(self, wanted: int) -> int:
+        """How many more nodes of this type can come, at most ``wanted``."""
+        room = wanted if self.max_count < 0 else self.max_count - self.live
+        return max(0, min(wanted, room))
 
 
 @dataclass(frozen=True)
@@ -66,6 +93,7 @@ class QueuedJob:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     not_before: float | None = None  # seconds since the epoch
+    resources_per_worker: Mapping[str, float] = field(default_factory=dict)  # others
 
     @property
     def cpus(self) -> float:
@@ -74,6 +102,14 @@ class QueuedJob:
     @property
     def gpus(self) -> float:
         return self.workers * self.gpus_per_worker
+
+    def bundle(self) -> dict[str, float]:
+        """What one worker asks of a node, as Ray names the resources."""
+        return {
+            "CPU": self.cpus_per_worker,
+            **({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {}),
+            **self.resources_per_worker,
+        }
 
 
 @dataclass(frozen=True)
@@ -102,6 +138,7 @@ class Snapshot:
     tenants: dict[str, TenantQuota]
     nodes: Sequence[Node]
     starvation_s: float = STARVATION_S
+    node_types: Sequence[NodeType] = ()
 
 
 @dataclass(frozen=True)
@@ -111,10 +148,23 @@ class Dispatch:
 
 
 @dataclass(frozen=True)
+class Grow:
+    """The nodes a waiting job needs the autoscaler to add (node type -> count), and its
+    gang's bundles (one per worker) to ask for."""
+
+    nodes: tuple[tuple[str, int], ...]
+    bundles: tuple[dict[str, float], ...]
+
+    def describe(self) -> str:
+        return " and ".join(f"{n} node(s) of group {name}" for name, n in self.nodes)
+
+
+@dataclass(frozen=True)
 class Wait:
     job_id: str
     position: int
     reason: str
+    grow: Grow | None = None  # set when it waits for the autoscaler
 
 
 @dataclass(frozen=True)
@@ -133,35 +183,62 @@ class _Usage:
     jobs: int = 0
 
 
+# Room on a node, or a worker's ask: one number per resource, in the order of the plan's
+# resource names (CPU, GPU, then the others queued jobs name).
+Vector = list[float]
+
+
 @dataclass
 class _State:
-    free: dict[str, list[float]]  # node id -> [free cpus, free gpus]
+    free: dict[str, Vector]  # node id -> its free resources
+    # nodes the autoscaler can still add and no waiting job was promised: "type#i" ->
+    # an empty node of that type
+    addable: dict[str, Vector]
     usage: dict[str, _Usage] = field(default_factory=dict)
 
 
 def plan(snapshot: Snapshot, now: float) -> list[Decision]:
     """Decide, for every queued job, whether it starts now (and on which nodes), waits
-    (at which position, why) or can never run on this cluster."""
+    (at which position, why, for which new nodes) or can never run on this cluster."""
     total_cpus = sum(n.cpus for n in snapshot.nodes) or 1.0
     total_gpus = sum(n.gpus for n in snapshot.nodes)
-    state = _State(free={n.id: list(n.free) for n in snapshot.nodes})
+    names = ["CPU", "GPU", *sorted({k for j in snapshot.queued for k in j.resources_per_worker})]
+
+    def vector(cpus: float, gpus: float, other: Mapping[str, float]) -> Vector:
+        return [cpus, gpus, *(other.get(k, 0.0) for k in names[2:])]
+
+    def node_free(n: Node) -> Vector:
+        return vector(*n.free, n.resources if n.free_resources is None else n.free_resources)
+
+    widest = max((j.workers for j in snapshot.queued), default=0)
+    addable = {
+        f"{t.name}#{i}": vector(t.cpus, t.gpus, t.resources)
+        for t in snapshot.node_types
+        for i in range(t.addable(widest))
+    }
+    state = _State(free={n.id: node_free(n) for n in snapshot.nodes}, addable=addable)
     for r in snapshot.running:
         u = state.usage.setdefault(r.tenant_id, _Usage())
         u.cpus, u.gpus, u.jobs = u.cpus + r.cpus, u.gpus + r.gpus, u.jobs + 1
 
     decisions: list[Decision] = []
-    waiting: list[tuple[QueuedJob, str]] = []
+    waiting: list[tuple[QueuedJob, str, Grow | None]] = []
     eligible: list[QueuedJob] = []
-    empty = {n.id: [n.cpus, n.gpus] for n in snapshot.nodes}
-    fits_empty: dict[tuple[int, float, float], bool] = {}  # by gang shape
+    # the cluster empty and grown as far as it can go
+    largest = {n.id: vector(n.cpus, n.gpus, n.resources) for n in snapshot.nodes} | addable
+    fits_largest: dict[tuple[object, ...], bool] = {}  # by gang shape
     for job in snapshot.queued:
-        shape = (job.workers, job.cpus_per_worker, job.gpus_per_worker)
-        if shape not in fits_empty:
-            fits_empty[shape] = _place(job, {k: list(v) for k, v in empty.items()}) is not None
-        if not fits_empty[shape]:
-            decisions.append(Reject(job.id, _never_fits(job, snapshot.nodes)))
+        ask = vector(job.cpus_per_worker, job.gpus_per_worker, job.resources_per_worker)
+        shape = (job.workers, *ask)
+        if shape not in fits_largest:
+            room = {k: list(v) for k, v in largest.items()}
+            fits_largest[shape] = _place(job.workers, ask, room) is not None
+        if not fits_largest[shape]:
+            decisions.append(Reject(job.id, _never_fits(job, snapshot)))
         elif job.not_before is not None and job.not_before > now:
-            waiting.append((job, f"retrying after a failed run in {job.not_before - now:.0f}s"))
+            waiting.append(
+                (job, f"retrying after a failed run in {job.not_before - now:.0f}s", None)
+            )
         else:
             eligible.append(job)
 
@@ -172,6 +249,7 @@ def plan(snapshot: Snapshot, now: float) -> list[Decision]:
         return dominant / quota.weight
 
     blocked_class = False  # a job of a higher class waits for capacity
+    no_growth: set[tuple[object, ...]] = set()  # gang shapes the addable nodes cannot take
     for priority in sorted({j.priority for j in eligible}, reverse=True):
         queues: dict[str, deque[QueuedJob]] = {}
         for job in sorted(
@@ -185,30 +263,60 @@ def plan(snapshot: Snapshot, now: float) -> list[Decision]:
             job = queues[tenant_id].popleft()
             if not queues[tenant_id]:
                 del queues[tenant_id]
+            ask = vector(job.cpus_per_worker, job.gpus_per_worker, job.resources_per_worker)
             reason = _quota_block(job, snapshot.tenants, state)
             if reason is None and blocked_class:
                 reason = "a job of a higher priority is waiting for capacity"
             if reason is None and reserved is not None:
                 reason = f"capacity is reserved for {reserved.id}, which has waited longest"
-            placement = _place(job, state.free) if reason is None else None
+            placement = _place(job.workers, ask, state.free) if reason is None else None
             if placement is not None:
                 decisions.append(Dispatch(job.id, placement))
                 u = state.usage.setdefault(job.tenant_id, _Usage())
                 u.cpus, u.gpus, u.jobs = u.cpus + job.cpus, u.gpus + job.gpus, u.jobs + 1
                 continue
+            grow = None
             if reason is None:
-                reason = (
-                    f"waiting for {job.workers} worker(s) of {job.cpus_per_worker:g} CPU"
-                    f"/{job.gpus_per_worker:g} GPU to be free at once"
-                )
                 short_of_capacity = True
                 if now - job.created_ns / 1e9 >= snapshot.starvation_s:
                     reserved = job
-            waiting.append((job, reason))
+                grow = _grow(job, ask, state, no_growth)
+                if grow is not None:
+                    reason = f"waiting for the autoscaler to add {grow.describe()}"
+                else:
+                    reason = (
+                        f"waiting for {job.workers} worker(s) of {job.cpus_per_worker:g} CPU"
+                        f"/{job.gpus_per_worker:g} GPU to be free at once"
+                    )
+            waiting.append((job, reason, grow))
         blocked_class = blocked_class or short_of_capacity
 
-    decisions.extend(Wait(job.id, i + 1, reason) for i, (job, reason) in enumerate(waiting))
+    decisions.extend(
+        Wait(job.id, i + 1, reason, grow) for i, (job, reason, grow) in enumerate(waiting)
+    )
     return decisions
+
+
+def _grow(
+    job: QueuedJob, ask: Vector, state: _State, no_growth: set[tuple[object, ...]]
+) -> Grow | None:
+    """The nodes to add so that ``job``'s gang fits, with the live nodes' free room, on
+    nodes still addable (promised to it: taken from ``state.addable``); None when even
+    those are not enough."""
+    shape = (job.workers, *ask)
+    if not state.addable or shape in no_growth:
+        return None
+    room = {k: list(v) for k, v in state.free.items()} | state.addable
+    placement = _place(job.workers, ask, room)
+    if placement is None:
+        no_growth.add(shape)  # the addable nodes only shrink during a plan
+        return None
+    added: dict[str, int] = {}
+    for node in set(placement) & state.addable.keys():
+        del state.addable[node]
+        kind = node.rsplit("#", 1)[0]
+        added[kind] = added.get(kind, 0) + 1
+    return Grow(tuple(sorted(added.items())), tuple(job.bundle() for _ in range(job.workers)))
 
 
 def _quota_block(job: QueuedJob, tenants: dict[str, TenantQuota], state: _State) -> str | None:
@@ -221,49 +329,51 @@ def _quota_block(job: QueuedJob, tenants: dict[str, TenantQuota], state: _State)
     return None
 
 
-def _place(job: QueuedJob, free: dict[str, list[float]]) -> tuple[str, ...] | None:
-    """Best-fit every worker of the gang onto ``free`` (changed in place only when the
-    whole gang fits); None when some worker has nowhere to go."""
-    if (
-        sum(cpus for cpus, _ in free.values()) < job.cpus - 1e-9
-        or sum(gpus for _, gpus in free.values()) < job.gpus - 1e-9
-    ):
-        return None  # not even the cluster's total free capacity holds it
+def _place(workers: int, ask: Vector, free: dict[str, Vector]) -> tuple[str, ...] | None:
+    """Best-fit every worker of a gang (``workers`` workers, each asking ``ask``) onto
+    ``free`` (changed in place only when the whole gang fits); None when some worker has
+    nowhere to go."""
+    for i, need in enumerate(ask):
+        if need and sum(room[i] for room in free.values()) < workers * need - 1e-9:
+            return None  # not even the total free capacity holds it
     taken: dict[str, int] = {}  # workers put on each node so far
     nodes: list[str] = []
-    c, g = job.cpus_per_worker, job.gpus_per_worker
-    for _ in range(job.workers):
+    for _ in range(workers):
         best: tuple[float, str] | None = None
-        for node_id, (cpus, gpus) in free.items():
-            n = taken.get(node_id, 0)
-            left_c, left_g = cpus - (n + 1) * c, gpus - (n + 1) * g
-            if (
-                left_c >= -1e-9
-                and left_g >= -1e-9
-                and (best is None or (left_c + left_g, node_id) < best)
-            ):
-                best = (left_c + left_g, node_id)
+        for node_id, room in free.items():
+            n = taken.get(node_id, 0) + 1
+            left = [r - n * a for r, a in zip(room, ask, strict=True)]
+            if min(left) >= -1e-9 and (best is None or (left[0] + left[1], node_id) < best):
+                best = (left[0] + left[1], node_id)
         if best is None:
             return None
         taken[best[1]] = taken.get(best[1], 0) + 1
         nodes.append(best[1])
     for node_id, n in taken.items():
-        free[node_id][0] -= n * c
-        free[node_id][1] -= n * g
+        free[node_id] = [r - n * a for r, a in zip(free[node_id], ask, strict=True)]
     return tuple(nodes)
 
 
-def _never_fits(job: QueuedJob, nodes: Iterable[Node]) -> str:
-    nodes = list(nodes)
-    if not nodes:
-        return "the cluster has no nodes"
-    biggest = max(nodes, key=lambda n: (n.gpus, n.cpus))
-    return (
+def _never_fits(job: QueuedJob, snapshot: Snapshot) -> str:
+    others = "".join(f", {v:g} {k}" for k, v in sorted(job.resources_per_worker.items()))
+    asked = (
         f"the job asks for {job.workers} worker(s) of {job.cpus_per_worker:g} CPU and "
-        f"{job.gpus_per_worker:g} GPU each ({job.cpus:g} CPU, {job.gpus:g} GPU in all); the "
-        f"cluster has {len(nodes)} node(s), the largest with {biggest.cpus:g} CPU and "
-        f"{biggest.gpus:g} GPU, {sum(n.cpus for n in nodes):g} CPU and "
-        f"{sum(n.gpus for n in nodes):g} GPU in all; lower tunefleet.resources"
+        f"{job.gpus_per_worker:g} GPU{others} each ({job.cpus:g} CPU, {job.gpus:g} GPU in all)"
+    )
+    kinds = [
+        (f"of node type {t.name!r}" + ("" if t.max_count < 0 else f" (at most {t.max_count})"),
+         t.cpus, t.gpus, t.resources)
+        for t in snapshot.node_types
+    ] + [(f"live node {n.id}", n.cpus, n.gpus, n.resources) for n in snapshot.nodes]  # fmt: skip
+    if not kinds:
+        return f"{asked}; the cluster has no nodes and no node types it can add"
+    name, cpus, gpus, resources = max(kinds, key=lambda k: (k[2], k[1]))
+    more = "".join(f", {v:g} {k}" for k, v in sorted(resources.items()))
+    return (
+        f"{asked}; the cluster has {len(snapshot.nodes)} live node(s) and "
+        f"{len(snapshot.node_types)} node type(s) it can add, the largest node {name} with "
+        f"{cpus:g} CPU and {gpus:g} GPU{more}; lower tunefleet.resources (fewer workers, or "
+        "fewer CPUs/GPUs each), or add a node type that holds a worker"
     )
 
 

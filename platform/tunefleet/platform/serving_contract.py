@@ -60,10 +60,12 @@ def app_name(base_model: str) -> str:
 
 
 # Ray nodes of a cluster carry this label when they are not for serving (the Helm chart
-# sets it): the head, and the controllers' own nodes, which have no CPUs and no models.
-# Serve replicas ask for nodes without these roles.
+# sets it): the head, and the controllers' own nodes, which have no CPUs and no models,
+# and the GPU groups' nodes when a CPU group serves (a replica keeps its node from being
+# removed as idle: a GPU group that only trains scales back to zero). Serve replicas ask
+# for nodes without these roles.
 NODE_ROLE_LABEL = "tunefleet.io/role"
-NOT_FOR_REPLICAS = ("controller", "head")
+NOT_FOR_REPLICAS = ("controller", "head", "training")
 
 
 def replica_label_selector() -> dict[str, str]:

@@ -12,8 +12,23 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class NodeTypeSetting(BaseModel):
+    """A kind of node the Ray cluster can add (a KubeRay worker group): what one node
+    has and how many the group may hold."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=63, description="The group's name.")
+    cpus: float = Field(ge=0, description="CPUs of one node.")
+    gpus: float = Field(default=0, ge=0, description="GPUs of one node.")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Its other Ray resources (custom, accelerator type)."
+    )
+    max_count: int = Field(default=-1, ge=-1, description="Most nodes of the group (-1: no limit).")
 
 
 class Settings(BaseSettings):
@@ -141,6 +156,25 @@ class Settings(BaseSettings):
         default=8 * 1024 * 1024,
         gt=0,
         description="Largest body of /v1/chat/completions and /v1/completions, in bytes.",
+    )
+    node_types: tuple[NodeTypeSetting, ...] = Field(
+        default=(),
+        description="The node types the Ray cluster's autoscaler can add, a JSON list of "
+        '{"name", "cpus", "gpus", "resources", "max_count"} (the chart renders it from its '
+        "worker groups). Empty: those Ray's autoscaler reports, if any; without either, "
+        "jobs are planned on the live nodes alone.",
+    )
+    capacity_wait_s: float = Field(
+        default=1800,
+        gt=0,
+        description="How long a job waits for the autoscaler to add the nodes it needs "
+        "before it fails with capacity_timeout.",
+    )
+    run_driver_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources a run's driver asks for (Ray Jobs' entrypoint_resources), "
+        'a JSON object, e.g. {"tunefleet-driver": 1}: drivers then run only on nodes that '
+        "advertise them, never on the head with the autoscaler's ServiceAccount token.",
     )
     device_memory_gb: float = Field(
         default=80, description="Accelerator memory per worker the planner plans for (GiB)."

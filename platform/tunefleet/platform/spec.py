@@ -146,6 +146,28 @@ class Resources(_Frozen):
     num_workers: int = Field(default=1, ge=1, le=1024, description="Ray Train workers.")
     gpus_per_worker: float = Field(default=0, ge=0, le=64, description="GPUs per worker (0 = CPU).")
     cpus_per_worker: float = Field(default=1, gt=0, le=1024, description="CPUs per worker.")
+    custom_resources_per_worker: dict[str, float] = Field(
+        default_factory=dict,
+        max_length=8,
+        description="Other Ray resources each worker needs, by the names nodes advertise: "
+        "an accelerator type (accelerator_type:A100) or a resource the operator gives a "
+        "node group. Workers go only to nodes that have them.",
+    )
+
+    @field_validator("custom_resources_per_worker")
+    @classmethod
+    def _named_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:"):
+                raise ValueError(
+                    f"{name!r} is not a custom resource: set cpus_per_worker or "
+                    "gpus_per_worker, and name only resources a node group advertises"
+                )
+            if not 0 < len(name) <= 128 or not name.isprintable():
+                raise ValueError(f"resource name {name[:40]!r} must be 1-128 printable characters")
+            if not 0 < amount <= 1_000_000:
+                raise ValueError(f"{name!r}: {amount} must be more than 0 and at most 1000000")
+        return value
 
 
 class RopeScaling(_Frozen):

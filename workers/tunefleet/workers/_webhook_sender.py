@@ -1,7 +1,7 @@
 """Sending the webhook outbox (``platform.webhooks``): each due delivery POSTed to its
 endpoint, signed per the Standard Webhooks spec (the ``standardwebhooks`` package), its
 answer written back. The controller's leader runs ``send_due`` on its own thread, once a
-pass at most, so a slow endpoint holds up no scheduling.
+pass at most (``WebhookSender``), so a slow endpoint holds up no scheduling.
 
 Headers: ``webhook-id`` (the event's id, the same on every attempt: receivers deduplicate
 on it), ``webhook-timestamp`` (Unix seconds of this attempt) and ``webhook-signature``
@@ -16,13 +16,15 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent import futures
 from datetime import UTC, datetime
 
 import httpx
 from sqlalchemy.orm import Session
 from standardwebhooks.webhooks import Webhook
 
-from tunefleet.platform.db import now_s
+from tunefleet.platform.db import now_s, session_scope
+from tunefleet.platform.settings import Settings
 from tunefleet.platform.webhooks import Outgoing, any_due, claim_due, record_attempt
 
 log = logging.getLogger(__name__)
@@ -102,3 +104,41 @@ def send_one(
             out.delivery_id, out.payload.get("type"), out.url, error, status,
         )  # fmt: skip
     return status
+
+
+class WebhookSender:
+    """The webhook outbox, sent on its own thread: a slow endpoint holds up no pass."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        db_url: str,
+        writing: Callable[[], contextlib.AbstractContextManager[Session]],
+    ):
+        self.settings = settings
+        self.db_url = db_url
+        self.writing = writing
+        self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="webhooks")
+        self._sending: futures.Future[int] | None = None
+        self._http = httpx.Client(follow_redirects=False)
+
+    def close(self) -> None:
+        """Leave the sending thread without waiting for a send in progress."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def send(self) -> None:
+        """Hand the outbox to the sending thread (``send_due``), unless its last send is
+        still going."""
+        if self._sending is not None:
+            if not self._sending.done():
+                return
+            if (exc := self._sending.exception()) is not None:
+                log.error("sending webhooks failed: %s", exc)
+        self._sending = self._pool.submit(
+            send_due,
+            lambda: session_scope(self.db_url),
+            self.writing,
+            self._http,
+            delays=self.settings.webhook_retry_delays_s,
+            timeout_s=self.settings.webhook_timeout_s,
+        )

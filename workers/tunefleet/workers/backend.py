@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunefleet.platform.scheduler import Node
+from tunefleet.platform.scheduler import Node, NodeType
 from tunefleet.platform.serving_contract import app_name, route_prefix, serve_secret
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.spec import INTEGRATION_ENV
@@ -92,8 +92,8 @@ class RayBackend:
         log.info("Ray Jobs API at %s, for the Ray cluster at %s", dashboard, self._gcs_address)
 
     def nodes(self) -> list[Node]:
-        """The cluster's live nodes: total CPUs and GPUs, and what Ray has free on each now
-        (anything else running on the cluster included)."""
+        """The cluster's live nodes: total CPUs, GPUs and other resources, and what Ray has
+        free on each now (anything else running on the cluster included)."""
         import ray
 
         try:  # the per-node view ray.util.tpu uses too; Ray has no public one
@@ -116,9 +116,63 @@ class RayBackend:
                     float(total.get("GPU", 0.0)),
                     free_cpus=None if free is None else float(free.get("CPU", 0.0)),
                     free_gpus=None if free is None else float(free.get("GPU", 0.0)),
+                    resources=_custom(total),
+                    free_resources=None if free is None else _custom(free),
                 )
             )
         return nodes
+
+    def node_types(self) -> list[NodeType]:
+        """The node types the cluster can add (``Settings.node_types``, else those Ray's
+        autoscaler reported to the GCS, else none), each with its count of live nodes (by
+        the node type Ray's autoscaler state names for each live node)."""
+        import ray
+
+        configured = [
+            (t.name, t.cpus, t.gpus, dict(t.resources), t.max_count)
+            for t in self.settings.node_types
+        ]
+        if not configured:
+            try:
+                from ray._private.state import state
+
+                config = state.get_cluster_config()
+            except Exception:
+                log.debug("Ray's cluster config is not available", exc_info=True)
+                config = None
+            for group in config.node_group_configs if config is not None else []:
+                res = dict(group.resources)
+                cpus, gpus = float(res.pop("CPU", 0)), float(res.pop("GPU", 0))
+                configured.append((group.name, cpus, gpus, _custom(res), group.max_count))
+        if not configured:
+            return []
+        live: dict[str, int] = {}
+        try:
+            from ray.autoscaler.v2.sdk import get_cluster_status
+
+            status = get_cluster_status(ray.get_runtime_context().gcs_address)
+            for node in status.active_nodes + status.idle_nodes:
+                live[node.ray_node_type_name] = live.get(node.ray_node_type_name, 0) + 1
+        except Exception:  # counted as none up: a group at its limit is found out later
+            log.warning("Ray's autoscaler state is not available", exc_info=True)
+        return [
+            NodeType(name, cpus, gpus, res, max_count, live.get(name, 0))
+            for name, cpus, gpus, res, max_count in configured
+        ]
+
+    def draining_nodes(self) -> dict[str, float]:
+        """Nodes being drained (a preemption notice, a pod terminating, a scale-down),
+        with their deadline in seconds since the epoch (0: none)."""
+        from ray._private.state import state
+
+        return {str(k): v / 1000 for k, v in state.get_draining_nodes().items()}
+
+    def request_capacity(self, bundles: list[dict[str, float]]) -> None:
+        """Ask Ray's autoscaler to grow the cluster until ``bundles`` fit it at once (the
+        request replaces the previous one; an empty list withdraws it)."""
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=bundles)
 
     # -- runs (Ray Jobs API) -----------------------------------------------------------
     def submit_run(self, submission_id: str, job_id: str, env: dict[str, str]) -> None:
@@ -137,6 +191,8 @@ class RayBackend:
                     }
                 },
                 metadata={"tunefleet_job_id": job_id},
+                # off the head, where the autoscaler's ServiceAccount token is mounted
+                entrypoint_resources=dict(self.settings.run_driver_resources) or None,
             )
         except RuntimeError as exc:  # submitted between the check and here: the same run
             if f"submission_id {submission_id} already exists" not in str(exc):
@@ -252,6 +308,19 @@ class RayBackend:
                 serve.shutdown()
             finally:
                 ray.shutdown()
+
+
+# Resources every node has that no job asks for by name
+_STANDARD = {"CPU", "GPU", "memory", "object_store_memory"}
+
+
+def _custom(resources: dict[str, float]) -> dict[str, float]:
+    """A node's resources other than CPU, GPU, memory and its ``node:<ip>`` marker."""
+    return {
+        k: float(v)
+        for k, v in resources.items()
+        if k not in _STANDARD and not k.startswith("node:")
+    }
 
 
 def _dashboard_of(ray: Any) -> str:

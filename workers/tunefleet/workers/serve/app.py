@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
@@ -481,7 +482,11 @@ def build_app(
         if max_replicas > min_replicas
         else {"num_replicas": min_replicas}
     )
-    return deployment.options(name="LoraServer", **scaling).bind(
+    # A replica reserves the memory its base weights take: a node holding replicas is
+    # never idle, so Ray's autoscaler does not remove it (and its adapters) as unused.
+    weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    actor = {**deployment.ray_actor_options, "memory": max(weights, 1)}
+    return deployment.options(name="LoraServer", ray_actor_options=actor, **scaling).bind(
         base_model,
         model_path,
         store,

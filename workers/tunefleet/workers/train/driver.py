@@ -154,7 +154,11 @@ def run(job_id: str, run_id: str) -> None:
         scaling_config=ScalingConfig(
             num_workers=res.num_workers,
             use_gpu=res.gpus_per_worker > 0,
-            resources_per_worker={"CPU": res.cpus_per_worker, "GPU": res.gpus_per_worker},
+            resources_per_worker={
+                "CPU": res.cpus_per_worker,
+                "GPU": res.gpus_per_worker,
+                **res.custom_resources_per_worker,
+            },
             label_selector=placement(inputs.get("nodes"), res.num_workers, _alive_nodes()),
         ),
         # Same name and storage on every run of a job: Ray Train restores the newest
