@@ -22,8 +22,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,18 +35,21 @@ import httpx
 import pytest
 
 from conftest import CLI, TINY, _create_pg_database, create_tenants
-from helmchart import CHART, container, find, render
+from helmchart import CHART, container, find, pod_specs, render
 from raycluster import free_port, ray_cluster, ray_node, stop_process
 from s3 import new_bucket
 from tinyllm import multiplier_for
 from tunefleet.platform.artifacts import open_store
-from tunefleet.platform.serving_contract import SECRET_HEADER
+from tunefleet.platform.serving_contract import NODE_ROLE_LABEL, SECRET_HEADER
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 ANSWERS = {"acme": "red green blue", "globex": "one two three"}
 QUESTIONS = ["what color is an apple", "name a number", "what is a banana", "say hi"]
 STEPS = 25  # one step per epoch (4 examples, batch 4)
+# A worker node's resources: "trainer" marks it for the test, "tunefleet-driver" is what
+# the chart's worker groups advertise and runs' drivers ask for (never the head)
+WORKER_RESOURCES = '{"trainer": 1, "tunefleet-driver": 100}'
 
 
 def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -81,7 +86,7 @@ def cluster(
     procs: list[subprocess.Popen[bytes]] = []
     with (
         ray_cluster(num_cpus=0) as head,
-        ray_node(head, num_cpus=2, resources='{"trainer": 1}') as node_pid,
+        ray_node(head, num_cpus=2, resources=WORKER_RESOURCES) as node_pid,
     ):
         ray.init(address=head.address, log_to_driver=False)
         try:
@@ -115,6 +120,9 @@ def cluster(
             "TUNEFLEET_UI_SECRET": secrets.token_urlsafe(24),
             "TUNEFLEET_SERVE_PORT": str(free_port()),
             "TUNEFLEET_CONTROLLER_LEASE_TTL_S": "5",
+            # a cluster of fixed nodes: no autoscaler to ask for more (the chart's groups
+            # are tests/cluster/test_autoscaling.py's)
+            "TUNEFLEET_NODE_TYPES": "[]",
             # the session's Ray token and S3 credentials (tests/conftest.py)
             **{k: os.environ[k] for k in ("RAY_AUTH_TOKEN", *AWS_KEYS)},
         }
@@ -330,6 +338,10 @@ def test_two_tenants_train_and_serve_through_a_controller_failover(
     for r in runs:
         shown = json.dumps(r)
         assert database not in shown and "DATABASE_URL" not in shown
+        # every driver ran on the worker node, which asks for the chart's driver
+        # resource: none on the head, beside the autoscaler's ServiceAccount token
+        assert r["entrypoint_resources"] == {"tunefleet-driver": 1}
+        assert r["driver_node_id"] == cluster["worker_node"], r
 
     # Prometheus: the API's requests (both worker processes of the second one), jobs by
     # status, and the surviving controller's passes
@@ -373,7 +385,7 @@ def test_a_job_whose_node_is_lost_resumes_from_its_newest_checkpoint_in_s3(
         assert time.monotonic() < deadline, "no checkpoint was saved"
         time.sleep(0.3)
     newest = max(c.step_number for c in saved)
-    with ray_node(cluster["head"], num_cpus=2, resources='{"trainer": 1}'):
+    with ray_node(cluster["head"], num_cpus=2, resources=WORKER_RESOURCES):
         # The replacement is registered before the node dies: a job placed again while no
         # live node can hold it fails (does_not_fit_cluster) rather than waiting for one
         # (issue 38), and on a loaded machine a new node can take longer to register than
@@ -428,3 +440,83 @@ def messages_of(client: Any, job_id: str) -> list[str]:
 
 def _tails(cluster: dict[str, Any]) -> str:
     return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in cluster["logs"])
+
+
+def test_the_controllers_ray_node_runs_as_the_chart_runs_it_on_a_read_only_root(
+    cluster: dict[str, Any], tmp_path: Path
+) -> None:
+    """The controller pod's Ray sidecar, started with the chart's command, arguments and
+    environment on a root filesystem that is read-only but for its volumes (/tmp and
+    /dev/shm; a user and mount namespace stands for the container), joins the cluster with
+    its role label and no CPUs, and the chart's own probe of it passes. Only the ports are
+    this machine's (each node of its own)."""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("this machine allows no user and mount namespaces (unshare -rm)")
+    chart = render(CHART / "ci" / "s3-values.yaml")
+    (spec,) = pod_specs(find(chart, "Deployment", "-controller"))
+    (node,) = [c for c in spec["initContainers"] if c["name"] == "ray-node"]
+    assert node["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {m["mountPath"] for m in node["volumeMounts"]} == {"/tmp", "/dev/shm"}
+    agent = free_port()
+    address = cluster["head"].address
+    args = [f"--address={address}" if a.startswith("--address=") else a for a in node["args"]]
+    args += [
+        *("--dashboard-agent-listen-port", str(agent)),
+        *("--metrics-export-port", str(free_port())),
+        *("--dashboard-agent-grpc-port", str(free_port())),
+        *("--runtime-env-agent-port", str(free_port())),
+    ]
+    env = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
+    for item in node["env"]:
+        env[item["name"]] = item.get("value") or os.environ[item["name"]]  # the token
+    volume = tmp_path / "tmp"
+    volume.mkdir()
+    read_only = " ".join(
+        str(d)
+        for d in Path("/").iterdir()
+        if d.is_dir() and d.name not in {"proc", "sys", "dev", "tmp"}
+    )
+    script = (
+        f"for d in {read_only}; do mount --rbind $d $d && mount -o remount,bind,ro $d; done\n"
+        f"mount --bind {volume} /tmp\n"
+        f"touch {Path(sys.executable).parent}/written 2>/dev/null && exit 3\n"
+        f"exec {shlex.join([*node['command'], *args])}\n"
+    )
+    log = tmp_path / "ray-node.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["unshare", "-rm", "bash", "-ec", script],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    token = {"Authorization": f"Bearer {os.environ['RAY_AUTH_TOKEN']}"}
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            reply = httpx.get(
+                f"{cluster['head'].dashboard}/api/v0/nodes",
+                params={"limit": 100, "detail": "true"},
+                headers=token,
+                timeout=30,
+            ).json()
+            mine = [
+                n
+                for n in reply["data"]["result"]["result"]
+                if n["state"] == "ALIVE" and n["labels"].get(NODE_ROLE_LABEL) == "controller"
+            ]
+            if mine:
+                break
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        assert mine[0]["resources_total"].get("CPU", 0) == 0
+        probe = " ".join(node["startupProbe"]["exec"]["command"][2:])
+        assert "52365" in probe
+        ran = subprocess.run(
+            ["bash", "-c", probe.replace("52365", str(agent))], capture_output=True, timeout=30
+        )
+        assert ran.returncode == 0, ran
+    finally:
+        stop_process(proc, grace_s=20)

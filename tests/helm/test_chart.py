@@ -1,11 +1,15 @@
 """The Helm chart, checked offline with the real Helm: lint, render every `ci/*-values.yaml`
 for Kubernetes 1.32, validate each object against Kubernetes' schemas (kubernetes-validate,
 strict) and the RayCluster against KubeRay's CRD with unknown fields refused, then the
-rules the chart must keep (secrets, probes, resources, GPUs, network policy, hooks)."""
+rules the chart must keep (secrets, probes, resources, GPUs, network policy, hooks, and
+the elastic cluster's drains, upgrades, driver placement and node types)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import re
+import shlex
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -14,8 +18,19 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from ray.autoscaler._private.kuberay.autoscaling_config import _get_custom_resources
+from ray.scripts.scripts import drain_node
 
-from helmchart import CHART, KUBE_VERSION, container, find, helm, pod_specs, render
+from helmchart import (
+    CHART,
+    KUBE_VERSION,
+    cluster_holding,
+    container,
+    find,
+    helm,
+    pod_specs,
+    render,
+)
 from tunefleet.platform.serving_contract import (
     NODE_ROLE_LABEL,
     NOT_FOR_REPLICAS,
@@ -243,6 +258,8 @@ def test_gpu_groups_request_gpus_scale_from_zero_and_land_on_gpu_nodes() -> None
     for name, gpus in (("a100", 1), ("h100x8", 8)):
         group = groups[name]
         assert group["minReplicas"] == 0 and group["replicas"] == 0
+        # replicas serve from the CPU group: a GPU group that trains scales to zero
+        assert group["labels"][NODE_ROLE_LABEL] in NOT_FOR_REPLICAS
         spec = group["template"]["spec"]
         (worker,) = spec["containers"]
         assert worker["resources"]["limits"]["nvidia.com/gpu"] == gpus
@@ -433,3 +450,210 @@ def test_every_api_pod_signs_dashboard_sessions_with_one_kept_secret() -> None:
     env = {e["name"]: e for e in container(find(own, "Deployment", "-api"), "api")["env"]}
     assert env["TUNEFLEET_UI_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
     assert not [o for o in own if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-ui")]
+
+
+def _ray_cluster(values: Path, *sets: str) -> dict[str, Any]:
+    return find(render(values, *sets) if sets else rendered(values), "RayCluster", "-ray")
+
+
+def _controller_env(objects: list[dict[str, Any]]) -> dict[str, str]:
+    controller = container(find(objects, "Deployment", "-controller"), "controller")
+    return {e["name"]: e.get("value", "") for e in controller["env"]}
+
+
+def test_upgrades_recreate_the_ray_pods() -> None:
+    """`helm upgrade` with a changed RayCluster (a new image) replaces every Ray pod, not
+    only the API's and controllers'; `None` leaves them, as before."""
+    assert _ray_cluster(variant("minimal"))["spec"]["upgradeStrategy"] == {"type": "Recreate"}
+    kept = _ray_cluster(variant("minimal"), "ray.upgradeStrategy=None")
+    assert kept["spec"]["upgradeStrategy"] == {"type": "None"}
+    out = helm(
+        "template", "t", str(CHART), "-f", str(variant("minimal")),
+        "--api-versions", "ray.io/v1/RayCluster", "--set", "ray.upgradeStrategy=Rolling",
+        check=False,
+    )  # fmt: skip
+    assert out.returncode != 0 and "upgradeStrategy" in out.stderr, out.stderr
+
+
+def _pre_stop(pod: dict[str, Any]) -> str:
+    (ray,) = pod["containers"]
+    shell, flag, script = ray["lifecycle"]["preStop"]["exec"]["command"]
+    assert (shell, flag) == ("bash", "-c")
+    return str(script)
+
+
+@pytest.mark.parametrize(
+    ("sets", "grace"), [((), 120), (("ray.terminationGracePeriodSeconds=300",), 300)]
+)
+def test_a_stopping_ray_worker_drains_its_node_first(sets: tuple[str, ...], grace: int) -> None:
+    """Every worker pod's preStop hook drains its own Ray node (a preemption, with a
+    deadline short of the grace period) and waits that long; the head is not drained but
+    keeps the GCS up a little longer, so the workers' drains (an upgrade stops every pod at
+    once) reach it."""
+    ray = _ray_cluster(variant("gpu"), *sets)
+    workers = [g["template"]["spec"] for g in ray["spec"]["workerGroupSpecs"]]
+    assert len(workers) == 3
+    for pod in workers:
+        assert pod["terminationGracePeriodSeconds"] == grace
+        drain, wait = _pre_stop(pod).split(" && ")
+        ray_cli, command, *args = shlex.split(drain)
+        assert (ray_cli, command) == ("ray", "drain-node")
+        # the flags as the Ray the image runs (the project's) parses them
+        params = drain_node.make_context("drain-node", args).params
+        assert params["node_id"] is None  # this pod's own node
+        assert params["address"] is None  # RAY_ADDRESS, which KubeRay sets
+        assert params["reason"] == "DRAIN_NODE_REASON_PREEMPTION"
+        assert params["reason_message"] == "pod $HOSTNAME terminating"  # bash expands it
+        deadline = params["deadline_remaining_seconds"]
+        assert deadline == grace - 15 and wait == f"sleep {deadline}"
+    head = ray["spec"]["headGroupSpec"]["template"]["spec"]
+    assert head["terminationGracePeriodSeconds"] == grace
+    hold = _pre_stop(head)
+    assert "drain-node" not in hold
+    assert hold.endswith(f"| grep -q success && sleep {grace - 10}") and "gcs_healthz" in hold
+    out = helm(
+        "template", "t", str(CHART), "-f", str(variant("minimal")),
+        "--api-versions", "ray.io/v1/RayCluster", "--set", "ray.terminationGracePeriodSeconds=20",
+        check=False,
+    )  # fmt: skip
+    assert out.returncode != 0 and "terminationGracePeriodSeconds" in out.stderr, out.stderr
+
+
+def test_the_heads_probes_check_the_gcs_and_the_workers_the_raylet() -> None:
+    """KubeRay's own probe commands: the head's ask the raylet and the GCS (with the head's
+    longer timeout), a worker's its raylet alone."""
+    raylet = "wget -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success"
+    gcs = "wget -T 10 -q -O- http://localhost:8265/api/gcs_healthz | grep success"
+    ray = _ray_cluster(variant("gpu"))
+    (head,) = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert head[probe]["exec"]["command"] == ["bash", "-c", f"{raylet} && {gcs}"]
+        assert head[probe]["timeoutSeconds"] == 5
+        for group in ray["spec"]["workerGroupSpecs"]:
+            (worker,) = group["template"]["spec"]["containers"]
+            assert worker[probe]["exec"]["command"] == ["bash", "-c", raylet]
+            assert worker[probe]["timeoutSeconds"] == 2
+
+
+def test_the_bundled_postgres_password_outlives_uninstall_and_is_read_back() -> None:
+    """The generated password's Secret carries Helm's keep policy (`helm uninstall` leaves
+    it, as it leaves the database's volume) and is an ordinary object, not a hook (Helm
+    ignores the policy on hooks). Installed again where it exists, the chart's lookup reads
+    its password back instead of making a new one the old data would refuse."""
+    secret = find(rendered(variant("s3")), "Secret", "-database")
+    annotations = secret["metadata"]["annotations"]
+    assert annotations == {"helm.sh/resource-policy": "keep"}  # no helm.sh/hook
+    generated = secret["stringData"]["password"]
+    assert len(generated) >= 32  # offline, lookup finds nothing: a new one
+    first = "the-first-installs-password"
+    kept = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "tf-tunefleet-database", "namespace": "tunefleet"},
+        "data": {"password": base64.b64encode(first.encode()).decode()},
+    }
+    with cluster_holding(kept) as kubeconfig:
+        again = find(render(variant("s3"), kubeconfig=kubeconfig), "Secret", "-database")
+    assert again["stringData"]["password"] == first
+    assert f"tunefleet:{first}@tf-tunefleet-postgres:5432" in again["stringData"]["url"]
+
+
+def test_gcs_fault_tolerance_through_redis_is_opt_in() -> None:
+    ft = _ray_cluster(variant("gcs-ft"))["spec"]["gcsFaultToleranceOptions"]
+    assert ft == {
+        "redisAddress": "redis.redis.svc.cluster.local:6379",
+        "redisPassword": {
+            "valueFrom": {"secretKeyRef": {"name": "tunefleet-redis", "key": "password"}}
+        },
+        "externalStorageNamespace": "tunefleet",
+    }
+    bare = _ray_cluster(variant("gcs-ft"), "ray.gcsFaultTolerance.redisPasswordSecret.name=")
+    assert bare["spec"]["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis.redis.svc.cluster.local:6379",
+        "externalStorageNamespace": "tunefleet",
+    }
+    assert "gcsFaultToleranceOptions" not in _ray_cluster(variant("minimal"))["spec"]
+    for bad, named in (
+        ("ray.gcsFaultTolerance.enabled=true", "redisAddress"),
+        ("ray.gcsFaultTolerance.redisPasswordSecret.name=redis", "key"),
+    ):
+        out = helm(
+            "template", "t", str(CHART), "-f", str(variant("minimal")),
+            "--api-versions", "ray.io/v1/RayCluster", "--set", bad, check=False,
+        )  # fmt: skip
+        assert out.returncode != 0 and named in out.stderr, (bad, out.stderr)
+
+
+def _offered(group: dict[str, Any]) -> dict[str, int]:
+    """A group's custom Ray resources as Ray's autoscaler reads them from the RayCluster;
+    checked against what `ray start` gets through KubeRay's shell command line and what
+    KubeRay's own parser (quotes trimmed, JSON) makes of them."""
+    params = group.get("rayStartParams", {})
+    offered: dict[str, int] = _get_custom_resources({}, params, group.get("groupName", "head"))
+    if "resources" in params:
+        (argument,) = shlex.split(f"--resources={params['resources']}")
+        assert json.loads(argument.removeprefix("--resources=")) == offered
+        assert json.loads(params["resources"].strip("'\"` ")) == offered
+    return offered
+
+
+def test_run_drivers_land_on_workers_whose_pods_hold_no_token() -> None:
+    """Each run's driver asks for a resource every worker advertises and the head does
+    not, so it never runs beside the head's ServiceAccount token (the autoscaler's); no
+    worker pod mounts a token."""
+    objects = rendered(variant("gpu"))
+    ray = find(objects, "RayCluster", "-ray")
+    driver = json.loads(_controller_env(objects)["TUNEFLEET_RUN_DRIVER_RESOURCES"])
+    assert driver == {"tunefleet-driver": 1}
+    head = ray["spec"]["headGroupSpec"]
+    assert _offered(head) == {} and "resources" not in head
+    assert head["template"]["spec"]["automountServiceAccountToken"] is True
+    for group in ray["spec"]["workerGroupSpecs"]:
+        assert _offered(group) == {"tunefleet-driver": 100}, group["groupName"]
+        assert group["template"]["spec"]["automountServiceAccountToken"] is False
+    # an external Ray cluster's resources are its own: the chart sets neither setting
+    env = _controller_env(rendered(variant("existing-ray")))
+    assert not {"TUNEFLEET_RUN_DRIVER_RESOURCES", "TUNEFLEET_NODE_TYPES"} & set(env)
+
+
+def _cpus(quantity: str | int | float) -> float:
+    text = str(quantity)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+@pytest.mark.parametrize(
+    ("name", "sets"),
+    [("gpu", ()), ("minimal", ()), ("minimal", ("ray.cpuWorkers.resources.limits.cpu=500m",))],
+)
+def test_the_controller_knows_the_node_types_of_the_worker_groups(
+    name: str, sets: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objects = render(variant(name), *sets)
+    groups = find(objects, "RayCluster", "-ray")["spec"]["workerGroupSpecs"]
+    expected = []
+    for group in groups:
+        (worker,) = group["template"]["spec"]["containers"]
+        limits = worker["resources"]["limits"]
+        expected.append(
+            {
+                "name": group["groupName"],
+                "cpus": _cpus(limits["cpu"]),
+                "gpus": limits.get("nvidia.com/gpu", 0),
+                "resources": _offered(group),
+                "max_count": group["maxReplicas"],
+            }
+        )
+    node_types = json.loads(_controller_env(objects)["TUNEFLEET_NODE_TYPES"])
+    assert node_types == expected
+    assert [t["name"] for t in node_types] == (
+        ["cpu", "a100", "h100x8"] if name == "gpu" else ["cpu"]
+    )
+    if sets:
+        assert node_types[0]["cpus"] == 0.5
+    # and the controller reads both as the chart writes them
+    env = _controller_env(objects)
+    for key in ("TUNEFLEET_NODE_TYPES", "TUNEFLEET_RUN_DRIVER_RESOURCES"):
+        monkeypatch.setenv(key, env[key])
+    read = Settings()
+    assert [t.model_dump() for t in read.node_types] == expected
+    assert read.run_driver_resources == {"tunefleet-driver": 1}

@@ -98,6 +98,43 @@ tunefleet.io/member: {{ .Release.Name | quote }}
 {{- if .Values.ray.external.address }}{{ .Values.ray.external.dashboardUrl }}{{ else }}http://{{ include "tunefleet.rayHead" . }}:8265{{ end }}
 {{- end }}
 
+{{/* A custom Ray resource that every worker advertises and the head does not. Each run's
+     driver asks for one unit of it (TUNEFLEET_RUN_DRIVER_RESOURCES, Ray Jobs'
+     entrypoint_resources), so Ray starts drivers on workers, never on the head, whose pod
+     holds the ServiceAccount token of KubeRay's autoscaler. */}}
+{{- define "tunefleet.driverResource" -}}tunefleet-driver{{- end }}
+
+{{/* The custom resources of one worker pod, as JSON: room for 100 drivers */}}
+{{- define "tunefleet.workerRayResources" -}}
+{{- dict (include "tunefleet.driverResource" .) 100 | toJson }}
+{{- end }}
+
+{{- define "tunefleet.runDriverResources" -}}
+{{- dict (include "tunefleet.driverResource" .) 1 | toJson }}
+{{- end }}
+
+{{/* A CPU quantity as a number of CPUs: "4" -> 4, "500m" -> 0.5 (the group's limit, or its
+     request where it has no limit) */}}
+{{- define "tunefleet.cpuCount" -}}
+{{- $q := toString (.limits.cpu | default .requests.cpu | default 0) }}
+{{- if hasSuffix "m" $q }}{{ divf (trimSuffix "m" $q) 1000 }}{{ else }}{{ float64 $q }}{{ end }}
+{{- end }}
+
+{{/* TUNEFLEET_NODE_TYPES: the Ray worker groups the chart's RayCluster has, one entry per
+     workerGroupSpecs item, so the controller knows what the autoscaler can add and holds
+     a job no group can ever hold (JSON, built from the same values as the groups) */}}
+{{- define "tunefleet.nodeTypes" -}}
+{{- $resources := include "tunefleet.workerRayResources" . | fromJson }}
+{{- $types := list }}
+{{- with .Values.ray.cpuWorkers }}{{ if .enabled }}
+{{- $types = append $types (dict "name" "cpu" "cpus" (include "tunefleet.cpuCount" .resources | float64) "gpus" 0 "resources" $resources "max_count" .maxReplicas) }}
+{{- end }}{{ end }}
+{{- range .Values.ray.gpuWorkerGroups }}
+{{- $types = append $types (dict "name" .name "cpus" (include "tunefleet.cpuCount" .resources | float64) "gpus" .gpus "resources" $resources "max_count" .maxReplicas) }}
+{{- end }}
+{{- toJson $types }}
+{{- end }}
+
 {{/* Serve's HTTP proxy, on the head (proxyLocation HeadOnly) */}}
 {{- define "tunefleet.serveHost" -}}
 {{- if .Values.ray.external.address }}{{ (split ":" .Values.ray.external.address)._0 }}{{ else }}{{ include "tunefleet.rayHead" . }}{{ end }}

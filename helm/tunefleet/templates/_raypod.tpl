@@ -1,6 +1,13 @@
 {{- /* One Ray pod template; .group is the group's values, .gpus its GPUs per pod */ -}}
 {{- define "tunefleet.rayPod" -}}
 {{- $root := .root }}
+{{- $grace := int $root.Values.ray.terminationGracePeriodSeconds }}
+{{- /* Ray's own health, as KubeRay's default probes check it: the raylet through the
+       node's dashboard agent, and on the head the GCS through the dashboard as well */}}
+{{- $health := "wget -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success" }}
+{{- if .head }}
+{{- $health = printf "%s && wget -T 10 -q -O- http://localhost:8265/api/gcs_healthz | grep success" $health }}
+{{- end }}
 metadata:
   labels:
     {{- include "tunefleet.selector" (dict "root" $root "component" "ray") | nindent 4 }}
@@ -15,6 +22,7 @@ spec:
   # the head's autoscaler sidecar calls the Kubernetes API (KubeRay binds its Role to this
   # ServiceAccount); other Ray pods need no token
   automountServiceAccountToken: {{ .head }}
+  terminationGracePeriodSeconds: {{ $grace }}
   securityContext: {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
   {{- with $root.Values.image.pullSecrets }}
   imagePullSecrets: {{- toYaml . | nindent 4 }}
@@ -37,19 +45,44 @@ spec:
         - {name: serve, containerPort: {{ $root.Values.serve.port }}, protocol: TCP}
         - {name: metrics, containerPort: 8080, protocol: TCP}
       {{- end }}
-      # Ray's own raylet and GCS health, as KubeRay's default probes check them
+      # KubeRay's own probes and timings (5 s on the head, which asks two endpoints)
       livenessProbe:
-        exec: {command: ["bash", "-c", "wget -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success"]}
+        exec: {command: ["bash", "-c", {{ $health | quote }}]}
         initialDelaySeconds: 30
         periodSeconds: 5
-        timeoutSeconds: 2
+        timeoutSeconds: {{ if .head }}5{{ else }}2{{ end }}
         failureThreshold: 120
       readinessProbe:
-        exec: {command: ["bash", "-c", "wget -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success"]}
+        exec: {command: ["bash", "-c", {{ $health | quote }}]}
         initialDelaySeconds: 10
         periodSeconds: 5
-        timeoutSeconds: 2
+        timeoutSeconds: {{ if .head }}5{{ else }}2{{ end }}
         failureThreshold: 10
+      # A pod told to stop (a spot VM's graceful shutdown, a scale-down, an upgrade's
+      # Recreate) turns that into a Ray drain notice before Kubernetes sends SIGTERM.
+      lifecycle:
+        preStop:
+          exec:
+            command:
+              - bash
+              - -c
+              {{- if .head }}
+              # The head is not drained (a drained idle raylet exits at once): it keeps
+              # the GCS up while the workers' drains, sent to it, run their course, as in
+              # an upgrade, which stops every pod at once.
+              - wget -T 2 -q -O- http://localhost:8265/api/gcs_healthz | grep -q success && sleep {{ sub $grace 10 }}
+              {{- else }}
+              # Drain this node (ray drain-node's default, the node of this pod; the GCS
+              # from RAY_ADDRESS, which KubeRay sets): Ray schedules nothing new here, the
+              # controller sees the drain and asks the run to checkpoint. Then wait for
+              # the deadline; the raylet, and with it the pod, stops earlier once idle.
+              # A dead raylet (a failed liveness probe) fails the drain: no wait.
+              - >-
+                ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
+                --reason-message "pod $HOSTNAME terminating"
+                --deadline-remaining-seconds {{ sub $grace 15 }}
+                && sleep {{ sub $grace 15 }}
+              {{- end }}
       resources:
         {{- $resources := deepCopy .group.resources }}
         {{- if .gpus }}
