@@ -338,13 +338,16 @@ def _place(workers: int, ask: Vector, free: dict[str, Vector]) -> tuple[str, ...
             return None  # not even the total free capacity holds it
     taken: dict[str, int] = {}  # workers put on each node so far
     nodes: list[str] = []
+    others = range(2, len(ask))  # resources past CPU and GPU, rarely any
     for _ in range(workers):
         best: tuple[float, str] | None = None
         for node_id, room in free.items():
             n = taken.get(node_id, 0) + 1
-            left = [r - n * a for r, a in zip(room, ask, strict=True)]
-            if min(left) >= -1e-9 and (best is None or (left[0] + left[1], node_id) < best):
-                best = (left[0] + left[1], node_id)
+            cpus, gpus = room[0] - n * ask[0], room[1] - n * ask[1]
+            if cpus < -1e-9 or gpus < -1e-9 or any(room[i] < n * ask[i] - 1e-9 for i in others):
+                continue
+            if best is None or (cpus + gpus, node_id) < best:
+                best = (cpus + gpus, node_id)
         if best is None:
             return None
         taken[best[1]] = taken.get(best[1], 0) + 1
