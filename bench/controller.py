@@ -1,13 +1,17 @@
-"""Controller benchmarks, two parts.
+"""Controller benchmarks, three parts.
 
 1. Planning throughput: ``scheduler.plan`` over 1,000 queued jobs of 20 tenants on a
-   32-node cluster, against a baseline in the same run: plain FIFO by priority then age
-   with first-fit placement (no fairness, quotas or backfill), i.e. what the policy costs
-   on top of the simplest scheduler.
+   32-node cluster (and again with 8 node types the cluster can add), against a baseline
+   in the same run: plain FIFO by priority then age with first-fit placement (no
+   fairness, quotas or backfill), i.e. what the policy costs on top of the simplest
+   scheduler.
 2. Dispatch latency on a warm local Ray: time from job creation to its first training
    step, less the model load the run reports, split into creation -> dispatched (the
    controller's queueing and admission) and dispatched -> first step (Ray job start,
    Ray Train workers, data). One warm-up job first, then ``--jobs`` measured one at a time.
+3. Capacity: on Ray's own autoscaler (fake multi-node provider), the time from the
+   controller asking for a node of a group at zero to the job's first step, against a job
+   on that node once it is up; and, in part 1, the plan time when 8 node types can grow.
 
     .venv/bin/python bench/controller.py [--jobs 3] [--plans 20]
 Writes bench/results/controller.json.
@@ -133,28 +137,23 @@ def planning(plans: int) -> dict[str, Any]:
     }
 
 
-def dispatch_latency(n_jobs: int) -> dict[str, Any]:
-    from sqlalchemy import select
-
+def _prepare(**settings: Any) -> tuple[Any, str]:
+    """A data folder with the tiny Llama, a migrated database, a tenant and its 4-line
+    training file ``file-bench``: the settings (``settings`` on top) and the tenant's key."""
     from tinyllm import build_tiny_llama
-    from tunefleet.platform.db import File, Job, JobEvent, session_scope
+    from tunefleet.platform.artifacts import ArtifactStore
+    from tunefleet.platform.db import File, session_scope
     from tunefleet.platform.db.migrate import upgrade
-    from tunefleet.platform.jobs import JobCreateRequest, create_job
-    from tunefleet.platform.models import ModelRegistry
     from tunefleet.platform.settings import Settings
-    from tunefleet.platform.tenants import authenticate, create_key, create_tenant
-    from tunefleet.workers.backend import RayBackend
-    from tunefleet.workers.controller import Controller
+    from tunefleet.platform.tenants import create_key, create_tenant
 
     data = Path(tempfile.mkdtemp(prefix="bench-controller-"))
     build_tiny_llama(data / "models" / "tiny-llama")
-    settings = Settings(data_dir=data, ray_num_cpus=2, controller_interval_s=0.05)
-    url = settings.resolved_database_url
+    prepared = Settings(data_dir=data, controller_interval_s=0.05, **settings)
+    url = prepared.resolved_database_url
     upgrade(url)
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
-    from tunefleet.platform.artifacts import ArtifactStore
-
-    store = ArtifactStore(settings.resolved_artifact_root)
+    store = ArtifactStore(prepared.resolved_artifact_root)
     store.write_bytes(store.file_key("file-bench"), (json.dumps(chat) + "\n").encode() * 4)
     with session_scope(url) as s:
         tenant = create_tenant(s, "bench")
@@ -165,6 +164,21 @@ def dispatch_latency(n_jobs: int) -> dict[str, Any]:
                 bytes=1, status="processed", format="chat", stats={}, path="files/file-bench",
             )
         )  # fmt: skip
+    return prepared, key
+
+
+def dispatch_latency(n_jobs: int) -> dict[str, Any]:
+    from sqlalchemy import select
+
+    from tunefleet.platform.db import Job, JobEvent, session_scope
+    from tunefleet.platform.jobs import JobCreateRequest, create_job
+    from tunefleet.platform.models import ModelRegistry
+    from tunefleet.platform.tenants import authenticate
+    from tunefleet.workers.backend import RayBackend
+    from tunefleet.workers.controller import Controller
+
+    settings, key = _prepare(ray_num_cpus=2)
+    url = settings.resolved_database_url
     backend = RayBackend(settings)
     backend.connect()
     stop = threading.Event()
@@ -231,6 +245,97 @@ def dispatch_latency(n_jobs: int) -> dict[str, Any]:
     }
 
 
+def autoscaling_latency() -> dict[str, Any]:
+    """On Ray's own autoscaler (its fake multi-node provider, as tests/cluster/
+    test_autoscaling.py): a job for a group at zero, from the controller asking for its
+    node to the job's first step, against a second job on the node once it is there
+    (dispatched to first step, warm)."""
+    import secrets
+
+    from sqlalchemy import select
+
+    from raycluster import ray_cluster
+    from tunefleet.platform.db import Job, JobEvent, session_scope
+    from tunefleet.platform.jobs import JobCreateRequest, create_job
+    from tunefleet.platform.models import ModelRegistry
+    from tunefleet.platform.serving_contract import NODE_ROLE_LABEL
+    from tunefleet.platform.settings import NodeTypeSetting
+    from tunefleet.platform.tenants import authenticate
+    from tunefleet.workers.backend import RayBackend
+    from tunefleet.workers.controller import Controller
+
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
+    custom = {"accelerator": 1.0, "tunefleet-driver": 100.0}
+    group = {
+        "resources": {"CPU": 2, **custom},
+        "labels": {NODE_ROLE_LABEL: "training"},
+        "node_config": {},
+        "min_workers": 0,
+        "max_workers": 1,
+    }
+    with ray_cluster(num_cpus=0, node_types={"accel": group}) as head:
+        settings, key = _prepare(
+            ray_address=head.address,
+            ray_dashboard_url=head.dashboard,
+            node_types=(NodeTypeSetting(name="accel", cpus=2, resources=custom, max_count=1),),
+            run_driver_resources={"tunefleet-driver": 1},
+        )
+        url = settings.resolved_database_url
+        backend = RayBackend(settings)
+        backend.connect()
+        stop = threading.Event()
+        controller = Controller(settings, backend)
+        thread = threading.Thread(target=controller.run_forever, args=(stop,), daemon=True)
+        thread.start()
+        registry = ModelRegistry(settings.resolved_model_registry)
+
+        def create(seed: int) -> str:
+            with session_scope(url) as s:
+                request = JobCreateRequest.model_validate(
+                    {"model": "tiny-llama", "training_file": "file-bench", "seed": seed,
+                     "tunefleet": {"max_steps": 2, "resources": {
+                         "custom_resources_per_worker": {"accelerator": 1}}}}
+                )  # fmt: skip
+                principal = authenticate(s, f"Bearer {key}")
+                return create_job(s, principal, request, registry).id
+
+        def times(job_id: str) -> dict[str, float]:
+            """When the nodes were asked for, the job dispatched, its first step seen."""
+            found: dict[str, float] = {}
+            deadline = time.monotonic() + 600
+            while "first_step" not in found:
+                with session_scope(url) as s:
+                    for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id)):
+                        if e.data and "capacity_requested_at" in e.data:
+                            found.setdefault("requested", float(e.data["capacity_requested_at"]))
+                        if e.message.startswith("Dispatched"):
+                            found.setdefault("dispatched", time.time())
+                        if e.type == "metrics":
+                            found.setdefault("first_step", time.time())
+                    status = s.scalar(select(Job.status).where(Job.id == job_id))
+                assert status not in ("failed", "cancelled"), status
+                assert time.monotonic() < deadline, f"{job_id} never stepped: {found}"
+                time.sleep(0.02)
+            return found
+
+        try:
+            cold = times(create(1))
+            warm = times(create(2))  # the group's one node is up: it waits only for the first
+        finally:
+            stop.set()
+            thread.join(30)
+            backend.shutdown()
+    cold_s = cold["first_step"] - cold["requested"]
+    warm_s = warm["first_step"] - warm["dispatched"]
+    return {
+        "capacity_requested_to_first_step_s": round(cold_s, 3),
+        "capacity_requested_to_dispatched_s": round(cold["dispatched"] - cold["requested"], 3),
+        "warm_dispatched_to_first_step_s": round(warm_s, 3),
+        "cold_over_warm": round(cold_s / warm_s, 2),
+    }
+
+
 def _phases(dispatched: float, startup: dict[str, float], first_step: float) -> dict[str, float]:
     """Where dispatch -> first step went, from the timestamps the run reports (``startup``
     in its "Training ..." event): the Ray job's start (Jobs API, supervisor, driver
@@ -263,6 +368,7 @@ def main() -> None:
         "machine": machine.describe(),
         "planning": planning(args.plans),
         "dispatch": dispatch_latency(args.jobs),
+        "autoscaling": autoscaling_latency(),
     }
     dest = ROOT / "bench" / "results" / "controller.json"
     dest.write_text(json.dumps(out, indent=2) + "\n")
