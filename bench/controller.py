@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -250,8 +251,6 @@ def autoscaling_latency() -> dict[str, Any]:
     test_autoscaling.py): a job for a group at zero, from the controller asking for its
     node to the job's first step, against a second job on the node once it is there
     (dispatched to first step, warm)."""
-    import secrets
-
     from sqlalchemy import select
 
     from raycluster import ray_cluster
@@ -264,8 +263,6 @@ def autoscaling_latency() -> dict[str, Any]:
     from tunefleet.workers.backend import RayBackend
     from tunefleet.workers.controller import Controller
 
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
     custom = {"accelerator": 1.0, "tunefleet-driver": 100.0}
     group = {
         "resources": {"CPU": 2, **custom},
@@ -363,6 +360,10 @@ def main() -> None:
     parser.add_argument("--plans", type=int, default=20)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # one token for both of the run's Ray clusters (a process reads it once), never the
+    # user's ~/.ray/auth_token
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
     out = {
         "benchmark": "controller",
         "machine": machine.describe(),

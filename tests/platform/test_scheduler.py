@@ -190,15 +190,32 @@ def test_a_job_no_live_node_holds_waits_for_the_nodes_its_node_type_can_add() ->
     assert isinstance(d, Wait)
     assert d.reason == "waiting for the autoscaler to add 2 node(s) of group gpu-a100"
     assert d.grow == Grow((("gpu-a100", 2),), ({"CPU": 4, "GPU": 1},) * 2)
-    # two of three are up (elsewhere busy): one more can come, and the gang needs two
+    # two of three are up and busy: one more can come, the gang needs two; it waits for
+    # room on the nodes there are, asking for none
     up = replace(gpu, live=2)
-    (d,) = plan(Snapshot([job], [], {}, [head], node_types=[up]), 1.0)
+    busy = [Node(f"gpu-{i}", 8, 1, 0, 0, {"a100": 1}, {"a100": 0}) for i in (1, 2)]
+    (d,) = plan(Snapshot([job], [], {}, [head, *busy], node_types=[up]), 1.0)
+    assert isinstance(d, Wait) and d.grow is None and "to be free at once" in d.reason
+    # a gang larger than the group at its most (and the live nodes besides: they may be
+    # the group's, counted twice) is rejected, naming it
+    six = replace(job, workers=6)
+    (d,) = plan(Snapshot([six], [], {}, [head, *busy], node_types=[up]), 1.0)
     assert isinstance(d, Reject) and "of node type 'gpu-a100' (at most 3)" in d.reason
     # a live node with room: the job starts there, nothing is asked
     live = Node("gpu-1", cpus=8, gpus=1, resources={"a100": 1})
     one = q("one", "a", 0, cpus_per_worker=4, gpus_per_worker=1)
     (d,) = plan(Snapshot([one], [], {}, [head, live], node_types=[gpu]), 1.0)
     assert d == Dispatch("one", ("gpu-1",))
+
+
+def test_a_node_counted_up_before_it_is_seen_live_never_gets_a_job_rejected() -> None:
+    """The live nodes and the node types' live counts are read one after the other: a node
+    that joins in between is counted up but not yet seen. The job waits (and is placed on
+    the next pass), it is not failed as too big."""
+    gpu = NodeType("gpu", cpus=8, gpus=1, max_count=1, live=1)
+    job = q("g", "a", 0, cpus_per_worker=4, gpus_per_worker=1)
+    (d,) = plan(Snapshot([job], [], {}, [Node("head", cpus=2)], node_types=[gpu]), 1.0)
+    assert isinstance(d, Wait) and d.grow is None
 
 
 def test_nodes_promised_to_one_waiting_job_are_not_counted_again_for_the_next() -> None:

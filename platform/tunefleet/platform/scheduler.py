@@ -7,9 +7,9 @@ controller builds the snapshot from the database and Ray and applies the decisio
 The rules, in order:
 
 1. **Admission.** A job whose gang (all its workers) could not be placed even on an empty
-   cluster grown to its limits (the live nodes, and as many more of each node type the
-   autoscaler can add as it allows) is rejected with what it asked for and what the
-   largest node type has. A job in retry backoff (``not_before`` in the future) waits.
+   cluster grown to its limits (the live nodes, and each node type's ``max_count`` nodes)
+   is rejected with what it asked for and what the largest node type has. A job in
+   retry backoff (``not_before`` in the future) waits.
 2. **Priority classes.** Higher ``priority`` is considered first, whole class by class.
 3. **Fair share.** Within a class, the next job considered is the oldest of the tenant
    with the smallest *weighted dominant share*: the larger of its running CPU and GPU
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 STARVATION_S = 600.0
 
@@ -224,8 +224,15 @@ def plan(snapshot: Snapshot, now: float) -> list[Decision]:
     decisions: list[Decision] = []
     waiting: list[tuple[QueuedJob, str, Grow | None]] = []
     eligible: list[QueuedJob] = []
-    # the cluster empty and grown as far as it can go
-    largest = {n.id: vector(n.cpus, n.gpus, n.resources) for n in snapshot.nodes} | addable
+    # The cluster empty and grown as far as it can go: every live node, and every node
+    # type at its most. A live node of a type counts twice, so a job is rejected only if it
+    # can never run: the live nodes and the node types' live counts are read one after the
+    # other, and a node that joins between the two reads must not make a job look too big.
+    largest = {n.id: vector(n.cpus, n.gpus, n.resources) for n in snapshot.nodes} | {
+        f"{t.name}#{i}": vector(t.cpus, t.gpus, t.resources)
+        for t in snapshot.node_types
+        for i in range(replace(t, live=0).addable(widest))
+    }
     fits_largest: dict[tuple[object, ...], bool] = {}  # by gang shape
     for job in snapshot.queued:
         ask = vector(job.cpus_per_worker, job.gpus_per_worker, job.resources_per_worker)
