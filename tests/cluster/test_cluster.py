@@ -476,9 +476,16 @@ def test_the_controllers_ray_node_runs_as_the_chart_runs_it_on_a_read_only_root(
         for d in Path("/").iterdir()
         if d.is_dir() and d.name not in {"proc", "sys", "dev", "tmp"}
     )
+    # The venv stands for the image's installation, which is not under /tmp: a checkout
+    # under /tmp (a CI clone) would be hidden by the volume, so it stays in sight, read-only.
+    venv, keep = Path(sys.prefix), ""
+    if venv.is_relative_to("/tmp"):
+        inside = volume / venv.relative_to("/tmp")
+        keep = f"mkdir -p {inside} && mount --rbind {venv} {inside}"
+        keep += f" && mount -o remount,bind,ro {inside}\n"
     script = (
         f"for d in {read_only}; do mount --rbind $d $d && mount -o remount,bind,ro $d; done\n"
-        f"mount --bind {volume} /tmp\n"
+        f"{keep}mount --rbind {volume} /tmp\n"
         f"touch {Path(sys.executable).parent}/written 2>/dev/null && exit 3\n"
         f"exec {shlex.join([*node['command'], *args])}\n"
     )
