@@ -118,6 +118,8 @@ def _job(settings: Settings, tenant_name: str, **tunefleet: Any) -> str:
     with session_scope(settings.resolved_database_url) as s:
         tenant = create_tenant(s, tenant_name)
         _, key = create_key(s, tenant.id)
+        # 2 steps an epoch, a checkpoint at each epoch's end: the 30 steps last long
+        # enough (7 s here) for a drain to reach the run before its end
         file_id = add_chat_file(s, store, tenant.id, f"file-{tenant_name}", copies=4)
         request = JobCreateRequest.model_validate(
             {
@@ -198,6 +200,10 @@ def straight(elastic: dict[str, Any]) -> dict[str, Any]:
     """A job for the group, at zero when it is created, followed to its end."""
     assert _group_nodes(elastic) == []
     job_id = _job(elastic["settings"], "acme", resources=ACCELERATED)
+    job, _ = _wait(elastic, job_id, lambda j, ev: bool(_steps(ev)), "the first step")
+    # the node the autoscaler added is seen as the group's (it outlives the run by the
+    # group's idle timeout): the check of zero above and below could fail
+    assert _group_nodes(elastic) == list(job.placement["nodes"])  # type: ignore[index]
     job, events = _wait(
         elastic, job_id, lambda j, ev: j.status in ("succeeded", "failed"), "the job to end"
     )
@@ -252,24 +258,26 @@ def test_a_preempted_nodes_run_checkpoints_and_resumes_on_a_new_node_with_the_sa
     elastic: dict[str, Any], straight: dict[str, Any]
 ) -> None:
     job_id = _job(elastic["settings"], "globex", resources=ACCELERATED)
-    job, _ = _wait(elastic, job_id, lambda j, ev: len(_steps(ev)) >= 3, "three steps")
+    job, _ = _wait(elastic, job_id, lambda j, ev: j.placement is not None, "the dispatch")
     (node,) = set(job.placement["nodes"])  # type: ignore[index]
-    drained_at = time.time()
-    subprocess.run(
-        [
-            *(RAY, "drain-node", "--address", elastic["head"].address, "--node-id", node),
-            *("--reason", "DRAIN_NODE_REASON_PREEMPTION"),
-            *("--reason-message", "spot instance reclaimed"),
-            *("--deadline-remaining-seconds", "60"),
-        ],
-        check=True,
-        capture_output=True,
-        env=elastic["env"],
-    )
     # The cloud's replacement. Ray's fake provider keeps listing an instance whose raylet
     # left after its drain (no cloud takes it away), and counts it as pending capacity, so
-    # its autoscaler would never add one: a node of the group's shape joins by hand.
+    # its autoscaler would never add one: a node of the group's shape joins by hand, while
+    # the run starts on the autoscaler's node.
     with ray_node(elastic["head"], num_cpus=2, resources=json.dumps(CUSTOM)):
+        job, _ = _wait(elastic, job_id, lambda j, ev: len(_steps(ev)) >= 3, "three steps")
+        drained_at = time.time()
+        subprocess.run(
+            [
+                *(RAY, "drain-node", "--address", elastic["head"].address, "--node-id", node),
+                *("--reason", "DRAIN_NODE_REASON_PREEMPTION"),
+                *("--reason-message", "spot instance reclaimed"),
+                *("--deadline-remaining-seconds", "60"),
+            ],
+            check=True,
+            capture_output=True,
+            env=elastic["env"],
+        )
         job, events = _wait(
             elastic, job_id, lambda j, ev: j.status in ("succeeded", "failed"), "the job to end"
         )
