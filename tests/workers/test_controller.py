@@ -891,3 +891,30 @@ def test_a_slow_model_server_deploy_holds_up_no_pass(settings: Settings) -> None
     with session_scope(url) as s:
         assert s.get(Job, done).status == "succeeded"  # type: ignore[union-attr]
     assert twin.deployed == ["tiny-llama"]
+
+
+def test_a_model_server_deploys_while_the_first_job_on_it_trains(settings: Settings) -> None:
+    """Serving was deployed when the first job on a base model ended, so that job read
+    succeeded a model load after its run (28 s in the elastic cluster test). Now the
+    deploy starts as the run is submitted, and the job succeeds in the pass after its run
+    ends; the deploy is not repeated."""
+    twin = SlowServeTwin()
+    twin.nodes = lambda: [Node("twin", cpus=2)]  # type: ignore[method-assign]
+    ctl = Controller(settings, twin)  # type: ignore[arg-type]
+    url = settings.resolved_database_url
+    (job_id,) = _jobs(settings, 1)
+    ctl.tick()
+    assert twin.submitted == [f"{job_id}-1"]
+    deadline = time.monotonic() + 10
+    while twin.deployed != ["tiny-llama"]:  # on the serving thread, the run not ended
+        assert time.monotonic() < deadline, "the deploy never started"
+        time.sleep(0.05)
+    twin.release.set()
+    assert twin.held.wait(10)
+    store = ArtifactStore(settings.resolved_artifact_root)
+    store.path(store.adapter_key(job_id)).mkdir(parents=True)
+    twin.status[f"{job_id}-1"] = SUCCEEDED
+    ctl.tick()
+    with session_scope(url) as s:
+        assert s.get(Job, job_id).status == "succeeded"  # type: ignore[union-attr]
+    assert twin.deployed == ["tiny-llama"]

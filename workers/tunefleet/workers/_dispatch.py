@@ -71,6 +71,7 @@ class Dispatching:
         db_url: str,
         writing: Writing,
         open_channel: Callable[[str, dict[str, Any]], None],
+        prepare_serving: Callable[[str], None],
     ):
         self.settings = settings
         self.backend = backend
@@ -80,6 +81,7 @@ class Dispatching:
         self.db_url = db_url
         self.writing = writing
         self.open_channel = open_channel  # the controller's: its relay forgets the run
+        self.prepare_serving = prepare_serving  # Serving.prepare: the model loads meanwhile
         self._waiting: dict[str, str] = {}  # job id -> the last "Waiting in queue" written
 
     def dispatch(self) -> tuple[dict[str, Grow], list[dict[str, float]]]:
@@ -302,6 +304,7 @@ class Dispatching:
             job = s.get(Job, job_id)
             assert job is not None
             inputs = run_inputs(job)
+            base_model = job.model
         env = {  # never a credential: Ray's Jobs API shows it to whoever holds the token
             "TUNEFLEET_ARTIFACT_ROOT": self.store.location,
             "TUNEFLEET_S3_ENDPOINT_URL": self.settings.s3_endpoint_url,
@@ -323,6 +326,8 @@ class Dispatching:
             log.warning("submitting %s of %s failed: %s", sid, job_id, exc)
             with moved_on(job_id):
                 self._submit_refused(job_id, sid, f"could not submit to Ray: {exc}")
+            return
+        self.prepare_serving(base_model)
 
     def _submit_refused(self, job_id: str, sid: str, message: str) -> None:
         """Ray refused to take a run (its Jobs API says "no available agent" for a while

@@ -45,9 +45,10 @@ class Serving:
         self._served: set[str] = set()
         # base model -> (monotonic time of the next try, why the last one failed)
         self._serve_failed: dict[str, tuple[float, str]] = {}
-        # base model -> (monotonic start, the deploy on the serving thread)
+        # base model -> its deploy on the serving thread
         self._serving = futures.ThreadPoolExecutor(1, thread_name_prefix="serving")
-        self._deploying: dict[str, tuple[float, futures.Future[str]]] = {}
+        self._deploying: dict[str, futures.Future[str]] = {}
+        self._awaited: dict[str, float] = {}  # base model -> when a job first waited for it
         # base model -> the serving configuration its replicas last applied, and the push
         # in flight on its own thread (a merge takes seconds)
         self._pushed: dict[str, dict[str, list[str]]] = {}
@@ -59,6 +60,21 @@ class Serving:
         """Leave the threads without waiting: a deploy may never end."""
         self._serving.shutdown(wait=False, cancel_futures=True)
         self._push_pool.shutdown(wait=False, cancel_futures=True)
+
+    def prepare(self, base_model: str) -> None:
+        """Start deploying ``base_model``'s Serve application, without waiting, unless it
+        is served, deploying or waiting to be tried again. Called as a run of a job on it
+        is submitted: the model loads while the job trains, and the job reads succeeded
+        as its run ends instead of a model load later."""
+        if base_model in self._served or base_model in self._deploying:
+            return
+        failed = self._serve_failed.get(base_model)
+        if failed is not None and time.monotonic() < failed[0]:
+            return
+        deploy = self._serving.submit(
+            self.backend.deploy_model_server, base_model, str(self.registry.path(base_model))
+        )
+        self._deploying[base_model] = deploy
 
     def ensure_served(self, base_model: str) -> bool:
         """Whether the Serve application of ``base_model`` is deployed (once per
@@ -72,12 +88,11 @@ class Serving:
         if failed is not None and time.monotonic() < failed[0]:
             raise RuntimeError(failed[1])
         if base_model not in self._deploying:
-            deploy = self._serving.submit(
-                self.backend.deploy_model_server, base_model, str(self.registry.path(base_model))
-            )
-            self._deploying[base_model] = (time.monotonic(), deploy)
-            futures.wait([deploy], timeout=self.SERVE_WAIT_S)
-        started, deploy = self._deploying[base_model]
+            self.prepare(base_model)
+            futures.wait([self._deploying[base_model]], timeout=self.SERVE_WAIT_S)
+        # slow since a job first waited for it, not since ``prepare`` (hours of training)
+        started = self._awaited.setdefault(base_model, time.monotonic())
+        deploy = self._deploying[base_model]
         if not deploy.done():
             if time.monotonic() - started > self.SERVE_SLOW_S:  # said once: one message
                 raise RuntimeError(
@@ -87,6 +102,7 @@ class Serving:
                 )
             return False
         del self._deploying[base_model]
+        self._awaited.pop(base_model, None)
         try:
             deploy.result()
         except Exception as exc:

@@ -83,6 +83,7 @@ class Controller:
         # the steps of a pass, each given what it needs (the fenced session: ``_writing``)
         self.admission = Admission(self.store, self.registry, self.db_url, self._writing)
         self.capacity = CapacityRequests(backend, settings.capacity_wait_s)
+        self.serving = Serving(settings, backend, self.registry, self.db_url)
         self.dispatching = Dispatching(
             settings,
             backend,
@@ -92,8 +93,8 @@ class Controller:
             self.db_url,
             self._writing,
             self._open_channel,
+            self.serving.prepare,
         )
-        self.serving = Serving(settings, backend, self.registry, self.db_url)
         self.following = Following(
             backend,
             self.store,
