@@ -232,22 +232,23 @@ def settings(tmp_path: Path, migrated_url: str, tiny_registry: Path) -> Settings
 def live_server(settings: Settings) -> Iterator[Callable[..., str]]:
     """Start the real app under uvicorn in a background thread, as ``tunefleet.cli._stack``
     runs it, on a free 127.0.0.1 port, and return its base URL: ``live_server()`` serves
-    ``create_app(settings)``, ``live_server(app)`` another app. Each call starts another
+    ``create_app(settings)``, ``live_server(app)`` another app, ``live_server(settings=s)``
+    the app of other settings (and uvicorn's options from them). Each call starts another
     server with its own event loop (like another uvicorn worker on the same database).
     TestClient runs handlers one at a time on one loop; these answer real concurrent HTTP
     requests. Every server is stopped at teardown."""
     import httpx
     import uvicorn
 
-    from tunefleet.api import create_app
+    from tunefleet.api import create_app, server_options
 
     running: list[tuple[uvicorn.Server, threading.Thread, socket.socket]] = []
 
-    def start(app: FastAPI | None = None) -> str:
+    def start(app: FastAPI | None = None, settings: Settings = settings) -> str:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))  # a socket of our own: no race for a free port number
         host, port = sock.getsockname()
-        config = uvicorn.Config(app or create_app(settings), log_level="warning")
+        config = uvicorn.Config(app or create_app(settings), **server_options(settings))
         server = uvicorn.Server(config)
         thread = threading.Thread(
             target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"api-{port}"

@@ -108,6 +108,26 @@ def test_sign_in_sets_a_signed_http_only_strict_cookie(app_client: TestClient, k
     assert app_client.get("/ui", follow_redirects=False).status_code == 200
 
 
+def test_the_cookie_is_secure_behind_a_tls_proxy_the_api_believes(
+    live_server: Any, settings: Settings
+) -> None:
+    """Behind the chart's TLS ingress the cookie was never Secure: uvicorn believed
+    X-Forwarded-Proto from 127.0.0.1 alone. The proxies believed are
+    ``forwarded_allow_ips`` (real uvicorn, as ``tunefleet api`` runs it); a request through
+    one that says https gets Secure cookies, one from elsewhere saying so is not believed."""
+    import httpx
+
+    def signin_cookie(proxies: str) -> set[str]:
+        url = live_server(settings=settings.model_copy(update={"forwarded_allow_ips": proxies}))
+        resp = httpx.get(f"{url}/ui/signin", headers={"X-Forwarded-Proto": "https"})
+        assert resp.status_code == 200
+        (cookie,) = [c for c in resp.headers.get_list("set-cookie") if "tunefleet_signin=" in c]
+        return {f.strip().lower() for f in cookie.split(";")[1:]}
+
+    assert "secure" in signin_cookie("10.0.0.0/8,127.0.0.1")  # this test is the proxy
+    assert "secure" not in signin_cookie("10.0.0.0/8")  # a client claiming https
+
+
 def test_a_wrong_key_is_refused_and_signs_nobody_in(app_client: TestClient, key_a: str) -> None:
     form = app_client.get("/ui/signin")
     wrong = key_a[:-4] + "abcd"

@@ -130,6 +130,7 @@ def test_values_schema_refuses_unknown_keys_and_wrong_types() -> None:
         ("ray.head.gpus=1", "gpus"),
         ("api.workers=0", "api.workers"),
         ("serve.proxyLocation=Everywhere", "proxyLocation"),
+        ("api.forwardedAllowIps=the-ingress", "forwardedAllowIps"),  # addresses, not names
     ):
         out = helm(
             "template", "t", str(CHART), "-f", str(variant("minimal")),
@@ -412,6 +413,22 @@ def test_ingress_and_autoscaler_for_the_api() -> None:
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 12)
     assert "replicas" not in find(objects, "Deployment", "-api")["spec"]  # the HPA's to set
     assert find(objects, "PodDisruptionBudget", "-api")["spec"]["minAvailable"] == 1
+
+
+def test_the_api_believes_its_ingress_about_the_scheme_and_no_one_else_without_one() -> None:
+    """The session cookie is Secure behind the ingress's TLS only if the API believes the
+    ingress's X-Forwarded-Proto (tests/api/test_ui.py, the cookie behind a proxy)."""
+
+    def believed(*sets: str) -> str:
+        objects = (
+            render(variant("ingress-hpa"), *sets) if sets else rendered(variant("ingress-hpa"))
+        )
+        env = {e["name"]: e for e in container(find(objects, "Deployment", "-api"), "api")["env"]}
+        return str(env["TUNEFLEET_FORWARDED_ALLOW_IPS"]["value"])
+
+    assert believed() == "*"  # the ingress's pods, wherever they run
+    assert believed("api.forwardedAllowIps=10.2.0.0/16") == "10.2.0.0/16"
+    assert believed("api.ingress.enabled=false") == "127.0.0.1"
 
 
 def test_the_readme_installs_with_the_minimal_values_the_tests_render() -> None:

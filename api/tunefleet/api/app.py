@@ -28,6 +28,17 @@ async def _lifespan(_: FastAPI) -> AsyncIterator[None]:
     await inference.close_serve_client()
 
 
+def server_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's options for the API, however it is run (``tunefleet api``, ``tunefleet
+    up``, the tests' live servers): forwarded headers believed from
+    ``settings.forwarded_allow_ips`` alone (uvicorn would read its own environment)."""
+    return {
+        "proxy_headers": True,
+        "forwarded_allow_ips": settings.forwarded_allow_ips,
+        "log_level": "warning",
+    }
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(
         lifespan=_lifespan,

@@ -47,7 +47,7 @@ def prepare_data(settings: Settings, *, builtin_model: bool) -> str | None:
 def running_stack(settings: Settings, *, builtin_model: bool = True) -> Iterator[Stack]:
     import uvicorn
 
-    from tunefleet.api import create_app
+    from tunefleet.api import create_app, server_options
     from tunefleet.platform.lease import Lease
     from tunefleet.workers.backend import RayBackend
     from tunefleet.workers.controller import Controller
@@ -67,7 +67,7 @@ def running_stack(settings: Settings, *, builtin_model: bool = True) -> Iterator
             create_app(settings),
             host=settings.api_host,
             port=settings.api_port,
-            log_level="warning",
+            **server_options(settings),
         )
     )
     api_thread = threading.Thread(target=server.run, daemon=True, name="api")

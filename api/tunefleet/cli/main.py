@@ -66,6 +66,8 @@ def api(
 
     import uvicorn
 
+    from tunefleet.api import server_options
+
     settings = get_settings()
     if workers > 1:  # one /metrics for all workers (prometheus_client's multiprocess mode)
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="tf-prom-"))
@@ -75,7 +77,7 @@ def api(
         host=settings.api_host,
         port=settings.api_port,
         workers=workers,
-        log_level="warning",
+        **server_options(settings),
     )
 
 

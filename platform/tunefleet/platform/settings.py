@@ -88,6 +88,13 @@ class Settings(BaseSettings):
     )
     api_host: str = Field(default="127.0.0.1", description="Address the REST API binds to.")
     api_port: int = Field(default=8080, description="Port the REST API listens on.")
+    forwarded_allow_ips: str = Field(
+        default="127.0.0.1",
+        description="Proxies whose X-Forwarded-For and X-Forwarded-Proto the API believes "
+        "(uvicorn's forwarded_allow_ips: addresses and CIDRs, comma-separated, or '*'): a "
+        "request through one of them has the client's address and scheme, so a dashboard "
+        "session cookie over https is Secure. The chart sets its ingress's.",
+    )
     serve_host: str = Field(
         default="127.0.0.1", description="Ray Serve HTTP proxy host, as the API reaches it."
     )
