@@ -403,6 +403,26 @@ def test_service_monitor_only_where_the_cluster_has_the_api() -> None:
     assert "ServiceMonitor" not in [o["kind"] for o in without]
 
 
+def test_with_a_metrics_token_the_service_monitor_sends_what_the_services_ask_for() -> None:
+    """tests/api/test_metrics.py: with TUNEFLEET_METRICS_TOKEN set, /metrics answers its
+    bearer alone; the chart gives the API and the controllers the Secret's token and the
+    ServiceMonitor the same Secret for each endpoint."""
+    objects = render(variant("s3"), "serviceMonitor.tokenSecret=scrape")
+    ref = {"name": "scrape", "key": "token"}
+    for deployment, name in (("-api", "api"), ("-controller", "controller")):
+        env = {
+            e["name"]: e for e in container(find(objects, "Deployment", deployment), name)["env"]
+        }
+        assert env["TUNEFLEET_METRICS_TOKEN"]["valueFrom"]["secretKeyRef"] == ref
+    endpoints = find(objects, "ServiceMonitor", "")["spec"]["endpoints"]
+    assert [e["port"] for e in endpoints] == ["http", "health"]
+    for endpoint in endpoints:
+        assert endpoint["authorization"] == {"type": "Bearer", "credentials": ref}
+    plain = find(rendered(variant("s3")), "ServiceMonitor", "")["spec"]["endpoints"]
+    assert [e["port"] for e in plain] == ["http", "health"]
+    assert not [e for e in plain if "authorization" in e]
+
+
 def test_ingress_and_autoscaler_for_the_api() -> None:
     objects = rendered(variant("ingress-hpa"))
     ingress = find(objects, "Ingress", "-api")

@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Header
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import text
 
 from tunefleet.api._body_limits import BodyLimitMiddleware
 from tunefleet.api._errors import install_error_handlers
 from tunefleet.api._observe import RequestMetrics
-from tunefleet.api._openapi import Health, Readiness, ok, openapi_document
+from tunefleet.api._openapi import Health, Readiness, errors, ok, openapi_document
 from tunefleet.api.routes import admin, files, inference, jobs, models, plans
 from tunefleet.api.ui import install as install_dashboard
 from tunefleet.platform.db import session_scope
-from tunefleet.platform.metrics import exposition
+from tunefleet.platform.errors import Unauthenticated
+from tunefleet.platform.metrics import exposition, scrape_allowed
 from tunefleet.platform.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.asynccontextmanager
@@ -63,12 +67,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get(
         "/metrics",
         tags=["ops"],
-        responses=ok({"content": {"text/plain": {"schema": {"type": "string"}}}}, "Prometheus"),
+        responses={
+            **ok({"content": {"text/plain": {"schema": {"type": "string"}}}}, "Prometheus"),
+            **errors(401),
+        },
     )
-    def metrics() -> Response:
+    def metrics(authorization: Annotated[str | None, Header()] = None) -> Response:
         """Prometheus metrics: requests and latencies by route, jobs by status, the queue's
-        length (``tunefleet.platform.metrics``)."""
-        body, content_type = exposition(app.state.settings.resolved_database_url)
+        length (``tunefleet.platform.metrics``). With ``TUNEFLEET_METRICS_TOKEN`` set, only
+        for a bearer of it."""
+        st: Settings = app.state.settings
+        if not scrape_allowed(st.metrics_token, authorization):
+            raise Unauthenticated(
+                "/metrics needs the operator's metrics token as 'Authorization: Bearer "
+                "<TUNEFLEET_METRICS_TOKEN>'"
+            )
+        body, content_type = exposition(st.resolved_database_url)
         return Response(body, media_type=content_type)
 
     not_ready: dict[int | str, dict[str, Any]] = {
@@ -85,12 +99,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             with session_scope(st.resolved_database_url) as s:
                 s.execute(text("SELECT 1"))
         except Exception as exc:
+            log.warning("readyz: the database is unreachable: %s", exc)
             checks["database"] = f"unreachable: {type(exc).__name__}"
         dashboard = st.resolved_ray_dashboard_url
         try:  # any answer (401 without Ray's token included) means it is up
             httpx.get(f"{dashboard}/api/version", timeout=2)
         except httpx.HTTPError as exc:
-            checks["ray"] = f"unreachable at {dashboard}: {type(exc).__name__}"
+            # where it was looked for goes to the log, not to whoever asks: no internal
+            # address in an answer anyone reaching the API can read
+            log.warning("readyz: Ray's dashboard at %s is unreachable: %s", dashboard, exc)
+            checks["ray"] = f"unreachable: {type(exc).__name__}"
         ready = all(v == "ok" for v in checks.values())
         body = {"status": "ready" if ready else "not ready", **checks}
         return JSONResponse(body, status_code=200 if ready else 503)

@@ -113,18 +113,25 @@ def controller(
     ctl.run_forever(done)
 
 
-def serve_health(port: int, health: Any) -> None:
-    """GET /healthz (200 or 503 with ``health()``'s details) and /metrics (Prometheus) on
-    ``port``, in a thread."""
+def serve_health(port: int, health: Any) -> Any:
+    """GET /healthz (200 or 503 with ``health()``'s details) and /metrics (Prometheus, for
+    a bearer of ``TUNEFLEET_METRICS_TOKEN`` when set) on ``port``, in a thread; returns
+    the server (``shutdown()`` stops it)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from tunefleet.platform.metrics import exposition
+    from tunefleet.platform.metrics import exposition, scrape_allowed
 
-    db_url = get_settings().resolved_database_url
+    settings = get_settings()
+    db_url = settings.resolved_database_url
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            if self.path == "/metrics":
+            if self.path == "/metrics" and not scrape_allowed(
+                settings.metrics_token, self.headers.get("Authorization")
+            ):
+                status, content_type = 401, "application/json"
+                body = b'{"error": "/metrics needs the metrics token as a bearer token"}'
+            elif self.path == "/metrics":
                 body, content_type = exposition(db_url)
                 status = 200
             elif self.path == "/healthz":
@@ -144,6 +151,7 @@ def serve_health(port: int, health: Any) -> None:
 
     server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True, name="health").start()
+    return server
 
 
 @app.command()

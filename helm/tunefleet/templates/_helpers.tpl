@@ -176,6 +176,10 @@ tunefleet.io/member: {{ .Release.Name | quote }}
   valueFrom: {secretKeyRef: {name: {{ include "tunefleet.databaseSecret" . }}, key: {{ include "tunefleet.databaseKey" . }}}}
 - name: TUNEFLEET_DATA_DIR
   value: /data
+{{- with .Values.serviceMonitor.tokenSecret }}
+- name: TUNEFLEET_METRICS_TOKEN
+  valueFrom: {secretKeyRef: {name: {{ . }}, key: token}}
+{{- end }}
 {{ include "tunefleet.storageEnv" . }}
 {{- end }}
 

@@ -5,12 +5,19 @@ Counters and histograms live in prometheus_client's default registry; with sever
 worker processes (``tunefleet api --workers N``) they go through its multiprocess mode
 (``PROMETHEUS_MULTIPROC_DIR``, which ``tunefleet api`` sets), so one scrape sums every
 worker. Jobs by status and the queue's length are read from the database at scrape time,
-so every process answers the same.
+so every process answers the same, at most ``JOBS_CACHE_S`` old (several Prometheus
+servers, or a fast interval, cost the database one count per few seconds per process).
+
+With ``TUNEFLEET_METRICS_TOKEN`` set, a scrape must send it as a bearer token
+(``scrape_allowed``); the chart's ServiceMonitor does.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
+import threading
+import time
 from collections.abc import Iterator
 
 from prometheus_client import (
@@ -54,19 +61,47 @@ PASS_SECONDS = Histogram(
 )
 
 
+# How long a count of the jobs by status serves scrapes.
+JOBS_CACHE_S = 5.0
+_counted: dict[str, tuple[float, dict[str, int]]] = {}  # database URL -> (when, counts)
+_counting = threading.Lock()
+
+
+def scrape_allowed(token: str, authorization: str | None) -> bool:
+    """Whether a scrape with this Authorization header may read the metrics: always
+    without a token set, else only with ``Bearer <token>`` (compared in constant time)."""
+    if not token:
+        return True
+    return hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode())
+
+
+def _job_counts(db_url: str) -> dict[str, int] | None:
+    """Jobs by status, counted at most every ``JOBS_CACHE_S``; None while the database is
+    away."""
+    with _counting:
+        at, counts = _counted.get(db_url, (-JOBS_CACHE_S, {}))
+        if time.monotonic() - at < JOBS_CACHE_S:
+            return counts
+        try:
+            with session_scope(db_url) as s:
+                rows = s.execute(select(Job.status, func.count()).group_by(Job.status))
+                counts = {status: n for status, n in rows}
+        except SQLAlchemyError:
+            return None
+        _counted[db_url] = (time.monotonic(), counts)
+        return counts
+
+
 class JobsCollector:
     """``tunefleet_jobs{status}`` and ``tunefleet_queue_length``, counted in the database
-    when scraped (nothing when it is away: the scrape still answers)."""
+    (``_job_counts``; nothing when it is away: the scrape still answers)."""
 
     def __init__(self, db_url: str) -> None:
         self.db_url = db_url
 
     def collect(self) -> Iterator[Metric]:
-        try:
-            with session_scope(self.db_url) as s:
-                rows = s.execute(select(Job.status, func.count()).group_by(Job.status))
-                counts = {status: n for status, n in rows}
-        except SQLAlchemyError:  # the database away: the other metrics still answer
+        counts = _job_counts(self.db_url)
+        if counts is None:  # the database away: the other metrics still answer
             return
         jobs = GaugeMetricFamily("tunefleet_jobs", "Jobs by status.", labels=["status"])
         for status in JobStatus:

@@ -88,6 +88,12 @@ class Settings(BaseSettings):
     )
     api_host: str = Field(default="127.0.0.1", description="Address the REST API binds to.")
     api_port: int = Field(default=8080, description="Port the REST API listens on.")
+    metrics_token: str = Field(
+        default="",
+        repr=False,
+        description="A bearer token every scrape of /metrics (the API's, the controller's "
+        "health port's) must send; empty: /metrics is open to whoever reaches the port.",
+    )
     forwarded_allow_ips: str = Field(
         default="127.0.0.1",
         description="Proxies whose X-Forwarded-For and X-Forwarded-Proto the API believes "
