@@ -766,12 +766,13 @@ def test_openai_sdk_completions_take_token_ids_echo_logprobs_and_best_of(
 
 
 def test_openai_sdk_fine_tuning_results_checkpoints_and_listings(
-    sdk: Any, stack: dict[str, Any], acme_job: dict[str, Any]
+    sdk: Any, stack: dict[str, Any], acme_job: dict[str, Any], tiny_registry: Path
 ) -> None:
     """What the SDK reads of a finished job: the results CSV, checkpoints (paged, and
     callable as models by their owner only), files paged, and refusals it must not retry."""
     import openai
     from openai import OpenAI
+    from transformers import AutoTokenizer
 
     job = sdk.fine_tuning.jobs.retrieve(acme_job["job"]["id"])
     assert job.metadata == {} and job.estimated_finish is None
@@ -803,7 +804,13 @@ def test_openai_sdk_fine_tuning_results_checkpoints_and_listings(
         max_tokens=8,
     )
     assert answer.model == name and answer.choices[0].message.content.strip() == ANSWER
-    completed = sdk.completions.create(model=name, prompt="an apple is", max_tokens=4)
+    # sampled (temperature 1): no token that ends a text, or an end drawn first gives
+    # fewer than 4 (it did once in CI)
+    tok = AutoTokenizer.from_pretrained(tiny_registry / TINY)
+    never_end = {str(t): -100 for t in tok.all_special_ids}
+    completed = sdk.completions.create(
+        model=name, prompt="an apple is", max_tokens=4, logit_bias=never_end
+    )
     assert completed.model == name and completed.usage.completion_tokens == 4
     globex = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["keys"]["globex"])
     with pytest.raises(openai.NotFoundError):

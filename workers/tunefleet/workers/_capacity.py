@@ -7,9 +7,11 @@ the autoscaler can still add (a ``Wait`` with a ``Grow``). Here the controller:
   bundle per worker) and every running job's workers. Ray's autoscaler scales until all
   of those bundles fit the cluster's *total* capacity at once, so the running jobs' must
   be in the request too, or their nodes would count as room for the waiting ones;
-- asks again only when that set of bundles changes, and withdraws the request (an empty
-  one) when no job waits for nodes any longer (it started, was cancelled or paused), so
-  the groups can scale back down;
+- asks again only when that set of bundles changes. A job that stops waiting because it
+  started stays in the request as a running one (from the pass that dispatches it: its
+  node is idle until Ray places the run, and the autoscaler would take an idle node no
+  request holds). The request is withdrawn (an empty one) once nothing waits or runs, and
+  a running job's bundles leave it when it ends, so the groups scale back down;
 - remembers since when each job has waited for nodes (its wait event carries the time,
   so a controller that takes over continues the count) and fails a job that has waited
   longer than ``Settings.capacity_wait_s`` with ``capacity_timeout``.
@@ -87,14 +89,11 @@ class CapacityRequests:
         )
 
     def ask(self, waiting: dict[str, Grow], running: list[dict[str, float]]) -> None:
-        """Ask for the nodes ``waiting`` jobs need (beside the ``running`` workers' bundles),
-        or withdraw the request when none waits; jobs no longer waiting are forgotten."""
+        """Ask for the nodes ``waiting`` jobs need beside the ``running`` workers' bundles
+        (an empty request, the request withdrawn, when there are neither); jobs no longer
+        waiting are forgotten."""
         self._since = {k: v for k, v in self._since.items() if k in waiting}
-        bundles = (
-            [b for job_id in sorted(waiting) for b in waiting[job_id].bundles] + running
-            if waiting
-            else []
-        )
+        bundles = [b for job_id in sorted(waiting) for b in waiting[job_id].bundles] + running
         if bundles == self._asked:
             return
         started = time.monotonic()

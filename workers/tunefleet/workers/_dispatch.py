@@ -117,6 +117,11 @@ class Dispatching:
                             if self._previous_run_active(s, job):
                                 continue
                             started.append((job.id, self._start(s, job, decision)))
+                            # its workers count as running from this pass on: its node is
+                            # idle until Ray places the run, and a request without them
+                            # let the autoscaler take it back (seen: 6 s idle in a CI run)
+                            queued_job = _queued(job)
+                            running.extend(queued_job.bundle() for _ in range(queued_job.workers))
                         elif isinstance(decision, Wait) and decision.grow is not None:
                             if self._wait_for_nodes(s, job.id, decision, now):
                                 growing[job.id] = decision.grow
