@@ -111,6 +111,10 @@ class QueuedJob:
             **self.resources_per_worker,
         }
 
+    def bundles(self) -> tuple[dict[str, float], ...]:
+        """The gang: one ``bundle`` per worker."""
+        return tuple(self.bundle() for _ in range(self.workers))
+
 
 @dataclass(frozen=True)
 class RunningJob:
@@ -323,7 +327,7 @@ def _grow(
         del state.addable[node]
         kind = node.rsplit("#", 1)[0]
         added[kind] = added.get(kind, 0) + 1
-    return Grow(tuple(sorted(added.items())), tuple(job.bundle() for _ in range(job.workers)))
+    return Grow(tuple(sorted(added.items())), job.bundles())
 
 
 def _quota_block(job: QueuedJob, tenants: dict[str, TenantQuota], state: _State) -> str | None:

@@ -120,8 +120,7 @@ class Dispatching:
                             # its workers count as running from this pass on: its node is
                             # idle until Ray places the run, and a request without them
                             # let the autoscaler take it back (seen: 6 s idle in a CI run)
-                            queued_job = _queued(job)
-                            running.extend(queued_job.bundle() for _ in range(queued_job.workers))
+                            running.extend(_queued(job).bundles())
                         elif isinstance(decision, Wait) and decision.grow is not None:
                             if self._wait_for_nodes(s, job.id, decision, now):
                                 growing[job.id] = decision.grow
@@ -184,8 +183,9 @@ class Dispatching:
             res = _resources(job)
             if res is None:  # cannot have started: counts for nothing
                 continue
-            bundle = _queued(job).bundle()
-            bundles.extend(bundle for _ in range(res.num_workers))
+            queued_job = _queued(job)
+            bundle = queued_job.bundle()
+            bundles.extend(queued_job.bundles())
             for node_id in (job.placement or {}).get("nodes", []):
                 if node_id in held:
                     for name, amount in bundle.items():
