@@ -24,6 +24,7 @@ from tunefleet.platform.scheduler import Node, NodeType
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.status import JobStatus, transition
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
+from tunefleet.workers import _capacity
 from tunefleet.workers._run_channel import RunChannel
 from tunefleet.workers.backend import NOT_FOUND, SUCCEEDED, RunInfo
 from tunefleet.workers.controller import Controller
@@ -225,7 +226,7 @@ ACCELERATED = {"resources": {"custom_resources_per_worker": {"accelerator": 1}}}
 
 
 def test_a_job_for_a_node_type_at_zero_waits_for_it_and_starts_when_it_comes(
-    settings: Settings,
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The controller asks Ray's autoscaler for the waiting job's gang beside the running
     workers, says so on the job with the time it asked, and once the job is dispatched
@@ -258,6 +259,14 @@ def test_a_job_for_a_node_type_at_zero_waits_for_it_and_starts_when_it_comes(
     ctl.tick()
     assert twin.submitted == [f"{plain}-1", f"{job_id}-1"]
     assert twin.requests[-1] == [{"CPU": 1}, {"CPU": 1, "accelerator": 1}]  # held, running
+    ctl.tick()  # and held while they run with no job queued
+    assert twin.requests[-1] == [{"CPU": 1}, {"CPU": 1, "accelerator": 1}]
+    # sent again unchanged once REASSERT_S has passed: a request something else on the
+    # cluster sent in its place is repaired
+    sent = len(twin.requests)
+    monkeypatch.setattr(_capacity, "REASSERT_S", 0.0)
+    ctl.tick()
+    assert twin.requests[sent:] == [[{"CPU": 1}, {"CPU": 1, "accelerator": 1}]]
     with session_scope(url) as s:
         job = s.get(Job, job_id)
         assert job is not None and job.placement == {"nodes": ["accel-1"]}

@@ -7,7 +7,10 @@ the autoscaler can still add (a ``Wait`` with a ``Grow``). Here the controller:
   bundle per worker) and every running job's workers. Ray's autoscaler scales until all
   of those bundles fit the cluster's *total* capacity at once, so the running jobs' must
   be in the request too, or their nodes would count as room for the waiting ones;
-- asks again only when that set of bundles changes. A job that stops waiting because it
+- asks again when that set of bundles changes, and at least every ``REASSERT_S`` (the
+  request is one per cluster, the last one sent: anything else on the cluster that sends
+  one, such as Ray's "AutoscalingCoordinator" for Ray Data, replaces it; TuneFleet's own
+  runs send none, see ``train/driver.py``). A job that stops waiting because it
   started stays in the request as a running one (from the pass that dispatches it: its
   node is idle until Ray places the run, and the autoscaler would take an idle node no
   request holds). The request is withdrawn (an empty one) once nothing waits or runs, and
@@ -34,6 +37,9 @@ log = logging.getLogger(__name__)
 
 # The key of a wait event's data that holds when the job's nodes were first asked for.
 REQUESTED_AT = "capacity_requested_at"
+# The request is sent again this often when unchanged, repairing one that something else
+# on the cluster replaced.
+REASSERT_S = 30.0
 
 
 class _Requests(Protocol):
@@ -49,6 +55,7 @@ class CapacityRequests:
         self.wait_limit_s = wait_limit_s
         self._since: dict[str, float] = {}  # job id -> when its nodes were first asked for
         self._asked: list[dict[str, float]] | None = None  # None: not asked by this process
+        self._asked_at = 0.0  # time.monotonic() of the last request sent
 
     def since(self, s: Session, job_id: str, now: float) -> float:
         """When ``job_id``'s nodes were first asked for: remembered, else read from its
@@ -94,12 +101,14 @@ class CapacityRequests:
         waiting are forgotten."""
         self._since = {k: v for k, v in self._since.items() if k in waiting}
         bundles = [b for job_id in sorted(waiting) for b in waiting[job_id].bundles] + running
-        if bundles == self._asked:
-            return
         started = time.monotonic()
+        changed = bundles != self._asked
+        if not changed and started - self._asked_at < REASSERT_S:
+            return
         self.backend.request_capacity(bundles)
-        log.info(
-            "asked Ray's autoscaler for %d bundle(s) for %d waiting job(s) in %.3f s",
-            len(bundles), len(waiting), time.monotonic() - started,
-        )  # fmt: skip
-        self._asked = bundles
+        self._asked, self._asked_at = bundles, started
+        if changed:
+            log.info(
+                "asked Ray's autoscaler for %d bundle(s) for %d waiting job(s) in %.3f s",
+                len(bundles), len(waiting), time.monotonic() - started,
+            )  # fmt: skip

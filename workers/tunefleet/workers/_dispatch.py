@@ -108,8 +108,12 @@ class Dispatching:
                     fail_unreadable(self.writing, job.id, S.QUEUED, exc)
             jobs = {j.id: j for j in queued}
             self._waiting = {k: v for k, v in self._waiting.items() if k in jobs}
+            # asked for every pass, queue or not: a request without a running job's
+            # workers lets the autoscaler take its node back as idle while Ray starts the
+            # run (seen in the elastic test: three runs in a row lost their new node)
+            running = self._running_bundles(s)
             if queued:
-                snapshot, running = self._snapshot(s, queued)
+                snapshot = self._snapshot(s, queued)
                 for decision in plan(snapshot, now):
                     job = jobs[decision.job_id]
                     with moved_on(job.id):
@@ -167,25 +171,32 @@ class Dispatching:
         self._note_queue_position(s, job_id, wait.position, reason, data)
         return True
 
-    def _snapshot(self, s: Session, queued: list[Job]) -> tuple[Snapshot, list[dict[str, float]]]:
+    @staticmethod
+    def _running_bundles(s: Session) -> list[dict[str, float]]:
+        """The running jobs' worker bundles: what a request for more nodes must hold beside
+        the waiting jobs'."""
+        return [
+            bundle
+            for job in s.scalars(select(Job).where(Job.status == S.RUNNING.value))
+            if _resources(job) is not None
+            for bundle in _queued(job).bundles()
+        ]
+
+    def _snapshot(self, s: Session, queued: list[Job]) -> Snapshot:
         """The policy's view: queued and running jobs, quotas, the node types the cluster
         can add, and each live Ray node's free capacity: the smaller of its total less what
         TuneFleet's running jobs were placed on (runs just dispatched that Ray has not yet
         started count) and what Ray reports free (work outside TuneFleet counts). Nodes
-        being drained take no new work. Also the running jobs' worker bundles (what a
-        request for more nodes must hold beside the waiting jobs')."""
+        being drained take no new work."""
         draining = self.backend.draining_nodes()
         nodes = [n for n in self.backend.nodes() if n.id not in draining]
         held: dict[str, dict[str, float]] = {n.id: {} for n in nodes}
         running: list[RunningJob] = []
-        bundles: list[dict[str, float]] = []
         for job in s.scalars(select(Job).where(Job.status == S.RUNNING.value)):
             res = _resources(job)
             if res is None:  # cannot have started: counts for nothing
                 continue
-            queued_job = _queued(job)
-            bundle = queued_job.bundle()
-            bundles.extend(queued_job.bundles())
+            bundle = _queued(job).bundle()
             for node_id in (job.placement or {}).get("nodes", []):
                 if node_id in held:
                     for name, amount in bundle.items():
@@ -223,14 +234,13 @@ class Dispatching:
                     },
                 )
             )
-        snapshot = Snapshot(
+        return Snapshot(
             queued=[_queued(job) for job in queued],
             running=running,
             tenants=tenants,
             nodes=live,
             node_types=self.backend.node_types(),
         )
-        return snapshot, bundles
 
     def _previous_run_active(self, s: Session, job: Job) -> bool:
         """Whether the job's previous run still runs (a pause then resume faster than the

@@ -46,13 +46,38 @@ UNUSED_RAY_TRAIN_CALLBACKS = {"DatasetsCallback", "PlacementGroupCleanerCallback
 
 
 def _trainer_class() -> Any:
-    """Ray Train's ``TorchTrainer`` without ``UNUSED_RAY_TRAIN_CALLBACKS``."""
+    """Ray Train's ``TorchTrainer`` without ``UNUSED_RAY_TRAIN_CALLBACKS``, whose run asks
+    Ray's autoscaler for nothing.
+
+    The controller's request (``workers/_capacity.py``) already holds the run's workers. Ray
+    Train's own (its scaling policy's, sent through Ray's "AutoscalingCoordinator" actor,
+    again every 20 s) replaced it: ``request_resources`` keeps one request per cluster,
+    the last sent. Seen in the elastic test: a second job's new node was taken back as
+    idle while its run started, because the first run's request, sent later, held only
+    the first run's workers."""
     from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
+
+    class ControllerAskedScaling(FixedScalingPolicy):
+        def _send_resource_request(self) -> None:
+            pass
+
+        def _maybe_send_resource_request(self) -> None:
+            pass
+
+        def _cancel_resource_request(self) -> None:
+            pass
 
     class LeanTorchTrainer(TorchTrainer):
         def _create_default_callbacks(self) -> list[Any]:
             callbacks: list[Any] = super()._create_default_callbacks()  # type: ignore[misc]
             return [c for c in callbacks if type(c).__name__ not in UNUSED_RAY_TRAIN_CALLBACKS]
+
+        def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
+            policy = kwargs.get("scaling_policy")
+            if type(policy) is FixedScalingPolicy:
+                kwargs["scaling_policy"] = ControllerAskedScaling(policy.scaling_config)
+            return super()._initialize_and_run_controller(**kwargs)  # type: ignore[misc]
 
     return LeanTorchTrainer
 
