@@ -20,6 +20,7 @@ class Receiver:
         self.secret = ""
         self.answers: list[int] = []
         self.refusing = False
+        self.reply = b""  # the body of every answer
         self.got: list[dict[str, Any]] = []
         receiver = self
 
@@ -38,7 +39,9 @@ class Receiver:
                     {"headers": headers, "body": json.loads(body), "valid": valid, "status": status}
                 )
                 self.send_response(status)
+                self.send_header("content-length", str(len(receiver.reply)))
                 self.end_headers()
+                self.wfile.write(receiver.reply)
 
             def log_message(self, *_: Any) -> None:
                 pass

@@ -168,6 +168,10 @@ def test_admin_adds_lists_and_deletes_webhook_endpoints_and_reads_their_log(
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "url"
     assert "'file:///etc/passwd' is not an http(s) URL" in bad.json()["error"]["message"]
+    for internal in ("http://169.254.169.254/latest/meta-data", "http://127.0.0.1:5432/x"):
+        refused = app_client.post(path, headers=H(admin), json={"url": internal})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "url"
+        assert "TUNEFLEET_OUTBOUND_ALLOW" in refused.json()["error"]["message"]
     unknown = app_client.post(
         path, headers=H(admin), json={"url": "https://a.example", "events": ["job.done"]}
     )

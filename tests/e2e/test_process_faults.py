@@ -143,6 +143,8 @@ def test_postgres_away_then_tunefleet_up_killed_mid_training_lose_nothing(
         "TUNEFLEET_CONTROLLER_LEASE_TTL_S": "10",
         # retries that go on past the kill and the restart (about 3 minutes in all)
         "TUNEFLEET_WEBHOOK_RETRY_DELAYS_S": "[1, 2, 4, 8, 16, 32, 32, 32, 32, 32]",
+        # the receiver is on this machine, where webhooks go only when allowed
+        "TUNEFLEET_OUTBOUND_ALLOW": '["127.0.0.1/32"]',
     }
     receiver = Receiver()
     receiver.refusing = True

@@ -16,6 +16,7 @@ from tunefleet.platform.db import WebhookDelivery, session_factory, session_scop
 from tunefleet.platform.errors import InvalidRequest
 from tunefleet.platform.jobs import JobCreateRequest, create_job
 from tunefleet.platform.models import ModelRegistry
+from tunefleet.platform.outbound import OutboundPolicy
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.status import JobStatus, request_move, transition
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
@@ -30,6 +31,7 @@ from tunefleet.platform.webhooks import (
 
 DELAYS = (10, 60)
 TIMEOUT = 5
+PUBLIC = OutboundPolicy()  # the default: public addresses only
 
 
 def _tenant_with_job(settings: Settings, name: str) -> tuple[str, str]:
@@ -57,9 +59,15 @@ def test_a_jobs_end_is_in_the_outbox_for_each_subscribed_endpoint_of_its_tenant(
     acme, job = _tenant_with_job(settings, "acme")
     other, _ = _tenant_with_job(settings, "other")
     with session_scope(url) as s:
-        every = add_endpoint(s, acme, "https://acme.example/hooks").id
-        failures = add_endpoint(s, acme, "http://127.0.0.1:9/f", events=[EVENTS[1]]).id
-        add_endpoint(s, other, "https://other.example/hooks")
+        every = add_endpoint(s, acme, "https://acme.example/hooks", policy=PUBLIC).id
+        failures = add_endpoint(
+            s,
+            acme,
+            "http://127.0.0.1:9/f",
+            events=[EVENTS[1]],
+            policy=OutboundPolicy.from_allow(["127.0.0.1/32"]),
+        ).id
+        add_endpoint(s, other, "https://other.example/hooks", policy=PUBLIC)
 
     # A move that is not an end sends nothing.
     with session_scope(url) as s:
@@ -97,7 +105,7 @@ def test_deliveries_are_claimed_once_retried_on_schedule_and_given_up(
     url = settings.resolved_database_url
     acme, job = _tenant_with_job(settings, "acme")
     with session_scope(url) as s:
-        endpoint = add_endpoint(s, acme, "https://acme.example/hooks")
+        endpoint = add_endpoint(s, acme, "https://acme.example/hooks", policy=PUBLIC)
         transition(s, job, JobStatus.VALIDATING_FILES, JobStatus.FAILED, "Bad file")
     now = _outbox(settings)[0].next_attempt_at
 
@@ -135,7 +143,7 @@ def test_a_sender_that_dies_mid_send_leaves_its_delivery_due_again(settings: Set
     url = settings.resolved_database_url
     acme, job = _tenant_with_job(settings, "acme")
     with session_scope(url) as s:
-        add_endpoint(s, acme, "https://acme.example/hooks")
+        add_endpoint(s, acme, "https://acme.example/hooks", policy=PUBLIC)
         request_move(s, job, "cancel")
     now = _outbox(settings)[0].next_attempt_at
     with session_scope(url) as s:
@@ -158,7 +166,7 @@ def test_a_410_gone_stops_the_retries(settings: Settings) -> None:
     url = settings.resolved_database_url
     acme, job = _tenant_with_job(settings, "acme")
     with session_scope(url) as s:
-        add_endpoint(s, acme, "https://acme.example/hooks")
+        add_endpoint(s, acme, "https://acme.example/hooks", policy=PUBLIC)
         request_move(s, job, "cancel")
         [out] = claim_due(s, now=2**40, timeout_s=TIMEOUT)
         status = record_attempt(
@@ -172,7 +180,13 @@ def test_a_410_gone_stops_the_retries(settings: Settings) -> None:
     [
         ("ftp://acme.example/x", None, "'ftp://acme.example/x' is not an http(s) URL"),
         ("https:///nohost", None, "is not an http(s) URL with a host"),
-        ("https://a.example/" + "x" * 2100, None, "of at most 2048 characters"),
+        ("https://a.example/" + "x" * 2100, None, "is longer than 2048 characters"),
+        ("http://127.0.0.1:5432/x", None, "'127.0.0.1' is a loopback address"),
+        ("http://169.254.169.254/latest/meta-data", None, "is a link-local address"),
+        ("http://[::1]:8000/", None, "'::1' is a loopback address"),
+        ("http://[::ffff:127.0.0.1]/", None, "'::ffff:127.0.0.1' is a loopback address"),
+        ("https://10.1.2.3/hooks", None, "'10.1.2.3' is a private address"),
+        ("http://localhost:8265/api/jobs/", None, "'localhost' is this machine"),
         ("https://a.example", ["fine_tuning.job.started"], "['fine_tuning.job.started']"),
         ("https://a.example", [], "choose from fine_tuning.job.succeeded"),
     ],
@@ -182,5 +196,18 @@ def test_an_endpoint_refused_names_the_value_and_the_fix(
 ) -> None:
     acme, _ = _tenant_with_job(settings, "acme")
     with session_scope(settings.resolved_database_url) as s, pytest.raises(InvalidRequest) as e:
-        add_endpoint(s, acme, url, events=events)
+        add_endpoint(s, acme, url, events=events, policy=PUBLIC)
     assert says in e.value.message
+    assert e.value.param == ("url" if events is None else "events")
+    if "address" in says or "machine" in says:
+        assert "TUNEFLEET_OUTBOUND_ALLOW" in e.value.message  # the operator's fix
+
+
+def test_an_operator_allows_internal_endpoints_by_cidr_or_host_name(settings: Settings) -> None:
+    acme, _ = _tenant_with_job(settings, "acme")
+    policy = OutboundPolicy.from_allow(["10.0.0.0/8", "hooks.localhost"])
+    with session_scope(settings.resolved_database_url) as s:
+        add_endpoint(s, acme, "https://10.1.2.3/hooks", policy=policy)
+        add_endpoint(s, acme, "http://hooks.localhost:8000/", policy=policy)
+        with pytest.raises(InvalidRequest, match="'10.1.2.3'"):
+            add_endpoint(s, acme, "https://10.1.2.3/hooks", policy=PUBLIC)

@@ -335,7 +335,12 @@ def admin_create_webhook(
 
     with _admin_session() as s:
         endpoint = webhooks.add_endpoint(
-            s, _tenant_id(s, tenant), url, events=event, description=description
+            s,
+            _tenant_id(s, tenant),
+            url,
+            events=event,
+            description=description,
+            policy=get_settings().outbound_policy,
         )
         typer.echo(json.dumps(webhooks.endpoint_view(endpoint, with_secret=True)))
 

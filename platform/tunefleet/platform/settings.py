@@ -12,8 +12,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tunefleet.platform.outbound import OutboundPolicy
 
 
 class NodeTypeSetting(BaseModel):
@@ -213,6 +215,21 @@ class Settings(BaseSettings):
     webhook_timeout_s: float = Field(
         default=15, gt=0, le=300, description="Seconds a webhook endpoint has to answer."
     )
+    outbound_allow: tuple[str, ...] = Field(
+        default=(),
+        max_length=100,
+        description="Where outbound requests that tenants address (webhooks, MLflow tracking "
+        "servers) may go besides public addresses: host names, or CIDRs such as "
+        "10.0.0.0/8 for an internal MLflow. Loopback, private, link-local (the cloud's "
+        "metadata service) and other non-public addresses are refused otherwise. A JSON "
+        "list in the environment.",
+    )
+
+    @field_validator("outbound_allow")
+    @classmethod
+    def _outbound_allow(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        OutboundPolicy.from_allow(v)  # names a bad entry
+        return v
 
     # -- the dashboard (tunefleet.api.ui) ------------------------------------------------
     ui_secret: str = Field(
@@ -266,6 +283,10 @@ class Settings(BaseSettings):
     def resolved_ray_dashboard_url(self) -> str:
         """Ray's dashboard (its Jobs API and state endpoints), as the API reaches it."""
         return self.ray_dashboard_url or f"http://127.0.0.1:{self.ray_dashboard_port}"
+
+    @property
+    def outbound_policy(self) -> OutboundPolicy:
+        return OutboundPolicy.from_allow(self.outbound_allow)
 
     @property
     def serve_url(self) -> str:

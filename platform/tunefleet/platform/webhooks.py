@@ -24,7 +24,6 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -32,6 +31,7 @@ from sqlalchemy.orm import Session
 from tunefleet.platform.db import Job, WebhookDelivery, WebhookEndpoint, now_s
 from tunefleet.platform.errors import InvalidRequest, NotFound
 from tunefleet.platform.ids import new_id
+from tunefleet.platform.outbound import OutboundPolicy, OutboundRefused
 
 EVENTS = ("fine_tuning.job.succeeded", "fine_tuning.job.failed", "fine_tuning.job.cancelled")
 # A claimed delivery is due again this long past its send's timeout, if its sender died.
@@ -45,14 +45,17 @@ def new_secret() -> str:
     return "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
 
 
-def _check_url(url: str) -> str:
-    parts = urlsplit(url)
-    if len(url) > MAX_URL or parts.scheme not in ("http", "https") or not parts.hostname:
+def _check_url(url: str, policy: OutboundPolicy) -> str:
+    if len(url) > MAX_URL:
         raise InvalidRequest(
-            f"webhook url {url[:200]!r} is not an http(s) URL with a host of at most "
-            f"{MAX_URL} characters; give one such as https://example.com/tunefleet",
+            f"webhook url {url[:200]!r}... is longer than {MAX_URL} characters; give a "
+            "shorter one such as https://example.com/tunefleet",
             param="url",
         )
+    try:
+        policy.check_url(url, what="webhook url")
+    except OutboundRefused as exc:
+        raise InvalidRequest(str(exc), param="url") from None
     return url
 
 
@@ -76,12 +79,15 @@ def add_endpoint(
     *,
     events: Sequence[str] | None = None,
     description: str = "",
+    policy: OutboundPolicy,
 ) -> WebhookEndpoint:
-    """A new endpoint of the tenant for ``events`` (all when None), with a new secret."""
+    """A new endpoint of the tenant for ``events`` (all when None), with a new secret; its
+    URL one ``policy`` (``Settings.outbound_policy``) may allow: its host is checked
+    again at each delivery."""
     endpoint = WebhookEndpoint(
         id=new_id("webhook"),
         tenant_id=tenant_id,
-        url=_check_url(url),
+        url=_check_url(url, policy),
         secret=new_secret(),
         events=_check_events(events),
         description=description,

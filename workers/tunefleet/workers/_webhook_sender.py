@@ -7,6 +7,12 @@ Headers: ``webhook-id`` (the event's id, the same on every attempt: receivers de
 on it), ``webhook-timestamp`` (Unix seconds of this attempt) and ``webhook-signature``
 (``v1,`` + base64 HMAC-SHA256 of ``id.timestamp.body`` with the endpoint's secret).
 Redirects are not followed: a 3xx is a failed attempt, retried like any other.
+
+Each attempt resolves the endpoint's host again and connects only to an address the
+outbound policy allows (``platform.outbound.pinned_request``): an endpoint whose name now
+resolves to a private or metadata address is refused before any connection, as a failed
+attempt. What an endpoint answers is not kept beyond its status code: the delivery log,
+which admins read, and this process's log hold "HTTP 500", never the body.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from sqlalchemy.orm import Session
 from standardwebhooks.webhooks import Webhook
 
 from tunefleet.platform.db import now_s, session_scope
+from tunefleet.platform.outbound import OutboundPolicy, OutboundRefused, pinned_request
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.webhooks import Outgoing, any_due, claim_due, record_attempt
 
@@ -51,6 +58,7 @@ def send_due(
     *,
     delays: tuple[float, ...],
     timeout_s: float,
+    policy: OutboundPolicy,
     limit: int = 20,
 ) -> int:
     """Send the deliveries due now (at most ``limit``), one after another; how many were
@@ -68,7 +76,7 @@ def send_due(
             claimed = claim_due(s, now=now_s(), timeout_s=timeout_s)
         if not claimed:
             break
-        send_one(claimed[0], writing, client, delays=delays, timeout_s=timeout_s)
+        send_one(claimed[0], writing, client, delays=delays, timeout_s=timeout_s, policy=policy)
         sent += 1
     return sent
 
@@ -80,17 +88,29 @@ def send_one(
     *,
     delays: tuple[float, ...],
     timeout_s: float,
+    policy: OutboundPolicy,
 ) -> str:
-    """One attempt of the claimed delivery ``out``; its status afterwards."""
+    """One attempt of the claimed delivery ``out``, to an address ``policy`` allows; its
+    status afterwards."""
     body, headers = signed_request(out, datetime.now(tz=UTC))
     start = time.perf_counter()
     code: int | None = None
     error: str | None = None
     try:
-        answer = client.post(out.url, content=body, headers=headers, timeout=timeout_s)
+        answer = pinned_request(
+            client.post,
+            policy,
+            out.url,
+            what="webhook url",
+            content=body,
+            headers=headers,
+            timeout=timeout_s,
+        )
         code = answer.status_code
         if not 200 <= code < 300:
-            error = f"HTTP {code}: {answer.text[:200]}"
+            error = f"HTTP {code}"
+    except OutboundRefused as exc:
+        error = f"refused: {exc}"
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     ms = int((time.perf_counter() - start) * 1000)
@@ -141,4 +161,5 @@ class WebhookSender:
             self._http,
             delays=self.settings.webhook_retry_delays_s,
             timeout_s=self.settings.webhook_timeout_s,
+            policy=self.settings.outbound_policy,
         )

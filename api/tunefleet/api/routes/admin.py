@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
-from tunefleet.api._deps import PrincipalDep, SessionDep
+from tunefleet.api._deps import PrincipalDep, SessionDep, SettingsDep
 from tunefleet.api._openapi import (
     AdapterList,
     AdapterServing,
@@ -205,13 +205,19 @@ class WebhookCreate(BaseModel):
 
 @router.post("/tenants/{tenant_id}/webhooks", responses={**ok(NewWebhookEndpoint), **errors(404)})
 def add_webhook(
-    tenant_id: str, body: WebhookCreate, session: SessionDep, _: AdminDep
+    tenant_id: str, body: WebhookCreate, session: SessionDep, settings: SettingsDep, _: AdminDep
 ) -> dict[str, Any]:
     """A webhook endpoint for the tenant's jobs' ends, signed per Standard Webhooks; its
-    secret is in this answer only."""
+    secret is in this answer only. Its URL must be public, or allowed by the operator
+    (``TUNEFLEET_OUTBOUND_ALLOW``)."""
     tenant = get_tenant(session, tenant_id)
     endpoint = webhooks.add_endpoint(
-        session, tenant.id, body.url, events=body.events, description=body.description
+        session,
+        tenant.id,
+        body.url,
+        events=body.events,
+        description=body.description,
+        policy=settings.outbound_policy,
     )
     session.commit()
     return webhooks.endpoint_view(endpoint, with_secret=True)
