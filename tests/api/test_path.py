@@ -327,6 +327,10 @@ def test_a_dpo_job_refused_names_the_field_and_the_fix(
     assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"] == []
 
 
+def MLFLOW(uri: str) -> list[dict[str, Any]]:
+    return [{"type": "mlflow", "mlflow": {"tracking_uri": uri}}]
+
+
 @pytest.mark.parametrize(
     ("integrations", "named"),
     [
@@ -337,8 +341,21 @@ def test_a_dpo_job_refused_names_the_field_and_the_fix(
         ([{"type": "mlflow", "wandb": {"project": "p"}}], "takes a 'mlflow' object and no other"),
         ([{"type": "mlflow", "mlflow": {"experiment": "x"}}], "experiment"),
         ([{"type": "mlflow", "mlflow": {}}] * 6, "at most 5 items"),
+        # where a tenant's MLflow may point (the outbound policy; none allowed here)
+        (MLFLOW("sqlite:////var/lib/x.db"), "is not an http(s) tracking server"),
+        (MLFLOW("file:///etc"), "is not an http(s) tracking server"),
+        (MLFLOW("databricks"), "is not an http(s) tracking server"),
+        (MLFLOW("http://169.254.169.254/latest/meta-data?"), "is a link-local address"),
+        (MLFLOW("http://127.0.0.1:5000"), "'127.0.0.1' is a loopback address"),
+        (MLFLOW("http://[::1]:5000"), "'::1' is a loopback address"),
+        (MLFLOW("https://192.168.1.20"), "'192.168.1.20' is a private address"),
+        (MLFLOW("http://localhost:5000"), "'localhost' is this machine"),
     ],
-    ids=["no-object", "unknown-type", "empty-project", "long-tag", "other-object", "typo", "six"],
+    ids=[
+        *("no-object", "unknown-type", "empty-project", "long-tag", "other-object", "typo"),
+        *("six", "mlflow-sqlite", "mlflow-file", "mlflow-databricks", "mlflow-metadata"),
+        *("mlflow-loopback", "mlflow-v6-loopback", "mlflow-private", "mlflow-localhost"),
+    ],
 )
 def test_an_integration_refused_names_the_field_and_the_fix(
     app_client: TestClient, key_a: str, integrations: list[Any], named: str

@@ -209,5 +209,5 @@ def test_an_operator_allows_internal_endpoints_by_cidr_or_host_name(settings: Se
     with session_scope(settings.resolved_database_url) as s:
         add_endpoint(s, acme, "https://10.1.2.3/hooks", policy=policy)
         add_endpoint(s, acme, "http://hooks.localhost:8000/", policy=policy)
-        with pytest.raises(InvalidRequest, match="'10.1.2.3'"):
+        with pytest.raises(InvalidRequest, match=r"'10\.1\.2\.3'"):
             add_endpoint(s, acme, "https://10.1.2.3/hooks", policy=PUBLIC)

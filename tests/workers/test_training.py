@@ -89,6 +89,8 @@ def ray_env(tmp_path_factory: pytest.TempPathFactory, ray_cluster: Any) -> Itera
         # environment says where: the driver passes it on to the run)
         "WANDB_MODE": "offline",
         "WANDB_DIR": str(data / "wandb"),
+        # and its MLflow integration the operator's store (a tenant names only servers)
+        "MLFLOW_TRACKING_URI": MLFLOW_STORE(data),
     }.items():
         mp.setenv(key, value)
     get_settings.cache_clear()
@@ -222,12 +224,16 @@ FSDP_CASES = [  # (method, FSDP strategies compared with DDP, precision)
 ]
 
 
+def MLFLOW_STORE(data: Path) -> str:
+    """The operator's MLflow store (``MLFLOW_TRACKING_URI``) in the tests' data folder."""
+    return f"sqlite:///{data / 'mlflow.db'}"
+
+
 def TRACKED(env: dict[str, Any]) -> list[dict[str, Any]]:
-    """The integrations of the "tracked" run: W&B (offline) and a local MLflow store."""
-    store = f"sqlite:///{env['data'] / 'mlflow.db'}"
+    """The integrations of the "tracked" run: W&B (offline) and the operator's MLflow."""
     return [
         {"type": "wandb", "wandb": {"project": "tunefleet-tests", "tags": ["ci"]}},
-        {"type": "mlflow", "mlflow": {"tracking_uri": store, "experiment_name": "ci"}},
+        {"type": "mlflow", "mlflow": {"experiment_name": "ci"}},
     ]
 
 
@@ -699,7 +705,7 @@ def test_a_jobs_integrations_hold_its_config_and_metrics(
     assert {s: round(r["train_loss"], 6) for s, r in steps.items()} == {
         s: round(v, 6) for s, v in losses.items()
     }
-    client, run = mlflow_run(TRACKED(ray_env)[1]["mlflow"]["tracking_uri"], "ci", job_id)
+    client, run = mlflow_run(MLFLOW_STORE(ray_env["data"]), "ci", job_id)
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "train_loss")
     assert {m.step: round(m.value, 6) for m in history} == {

@@ -34,6 +34,7 @@ from tunefleet.platform.db import File, Job, JobEvent
 from tunefleet.platform.errors import InvalidRequest, NotFound, QuotaExceeded
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
+from tunefleet.platform.outbound import PUBLIC_ONLY, OutboundPolicy, OutboundRefused
 from tunefleet.platform.planner import PlanDevice, chart_of_plan, plan_for_spec, resolve_spec
 from tunefleet.platform.spec import (
     BASE_LEARNING_RATE,
@@ -451,9 +452,12 @@ def create_job(
     *,
     idempotency_key: str | None = None,
     device: PlanDevice | None = None,
+    outbound: OutboundPolicy = PUBLIC_ONLY,
 ) -> Row[Any]:
     """Validate references, build the spec and store the job in ``validating_files``
-    with its memory plan for ``device``; the stored row (``JOB_COLUMNS``).
+    with its memory plan for ``device``; the stored row (``JOB_COLUMNS``). The addresses
+    its integrations name must be ones ``outbound`` (``Settings.outbound_policy``) may
+    allow.
 
     Its one write is ``insert_job``, atomic by itself on both databases. Add no other:
     sessions of the hot routes are in autocommit on PostgreSQL, so a second write would be
@@ -469,6 +473,12 @@ def create_job(
             "max_gpus",
             param="tunefleet.resources",
         )
+    for integration in req.integrations or ():
+        if integration.mlflow is not None and integration.mlflow.tracking_uri is not None:
+            try:
+                outbound.check_url(integration.mlflow.tracking_uri, what="mlflow tracking_uri")
+            except OutboundRefused as exc:
+                raise InvalidRequest(str(exc), param="integrations") from None
     job_id = new_id("job")
     examples = (
         training_examples(session, principal.tenant_id, req.training_file)

@@ -145,6 +145,10 @@ class OutboundPolicy:
         )
 
 
+# Public addresses only: the policy with nothing allowed by the operator.
+PUBLIC_ONLY = OutboundPolicy()
+
+
 def _kind(ip: IPAddress) -> str:
     ip = _unmapped(ip)
     if ip.is_loopback:
@@ -158,8 +162,9 @@ def _kind(ip: IPAddress) -> str:
     return "not a public address"
 
 
-# socket.getaddrinfo as Python has it, before guard_resolution wraps it.
-_getaddrinfo = socket.getaddrinfo
+# socket.getaddrinfo as Python has it: what guard_resolution puts back, and what the
+# checks look names up with (tests replace the latter to make a name resolve elsewhere).
+_system_getaddrinfo = _getaddrinfo = socket.getaddrinfo
 _guard_lock = threading.Lock()
 _guarded: dict[str, tuple[OutboundPolicy, str]] = {}
 
@@ -192,7 +197,7 @@ def guard_resolution(policy: OutboundPolicy, hosts: dict[str, str]) -> Iterator[
             for host in hosts:
                 _guarded.pop(host.lower().rstrip("."), None)
             if not _guarded:
-                socket.getaddrinfo = _getaddrinfo
+                socket.getaddrinfo = _system_getaddrinfo
 
 
 def pinned_request(

@@ -11,6 +11,7 @@ need several runs after a failure or a pause).
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -429,9 +430,9 @@ class MlflowOptions(_Frozen):
     tracking_uri: str | None = Field(
         default=None,
         max_length=1024,
-        description="Tracking server or store (http(s)://, sqlite:///path, databricks; a "
-        "file:// store needs MLFLOW_ALLOW_FILE_STORE=true). Default the controller's "
-        "MLFLOW_TRACKING_URI.",
+        description="An http(s):// tracking server, at a public address or one the operator "
+        "allows (TUNEFLEET_OUTBOUND_ALLOW). Default the operator's MLFLOW_TRACKING_URI, "
+        "which may be any MLflow store.",
     )
     experiment_name: str = Field(
         default="tunefleet", min_length=1, max_length=256, description="Created if missing."
@@ -439,6 +440,23 @@ class MlflowOptions(_Frozen):
     run_name: str | None = Field(
         default=None, max_length=256, description="The run's name (default the job id)."
     )
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _tracking_uri(cls, v: str | None) -> str | None:
+        # a tenant's: a server over http(s) only, never a local store (sqlite:///, file://
+        # open or create files wherever the worker may write) nor a scheme whose
+        # credentials are the operator's (databricks); where it points is checked against
+        # the outbound policy when the job is created and at each connection
+        if v is not None:
+            parts = urlsplit(v)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(
+                    f"mlflow tracking_uri {v[:200]!r} is not an http(s) tracking server; give "
+                    "one such as https://mlflow.example.com, or leave it out for the "
+                    "operator's"
+                )
+        return v
 
 
 # What the controller's environment tells runs about the integrations' destinations (never

@@ -77,7 +77,13 @@ async def create(
     try:
         device = PlanDevice.from_gb(settings.device_memory_gb, settings.host_memory_gb)
         job = create_job(
-            session, principal, body, registry, idempotency_key=idempotency_key, device=device
+            session,
+            principal,
+            body,
+            registry,
+            idempotency_key=idempotency_key,
+            device=device,
+            outbound=settings.outbound_policy,
         )
         session.commit()
     except (IntegrityError, TuneFleetError):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from tunefleet.platform.artifacts import Keys, open_store
+from tunefleet.platform.outbound import OutboundPolicy
 from tunefleet.platform.settings import get_settings
 from tunefleet.platform.spec import JobSpec
 from tunefleet.workers._run_channel import ChannelReporter
@@ -509,6 +510,7 @@ class Worker:
                 job_config(self.spec, **settled, strategy=self.strategy),
                 warn=lambda message: self.reporter.post("message", message=message, level="warn"),
                 environment=self.config.get("integration_env"),
+                outbound=OutboundPolicy.from_allow(self.config.get("outbound_allow", ())),
             )
         resumed = f", resumed at step {state.step}" if state.step else ""
         dpo = self.spec.dpo

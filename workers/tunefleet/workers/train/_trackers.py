@@ -9,7 +9,17 @@ checkpoint are logged again: W&B keeps the first, MLflow both.
 
 An integration that fails (no credentials, a server away, a bad project) never fails the
 job: it is dropped for the rest of the run, and ``warn`` says why once, which the loop
-turns into a warning event on the job.
+turns into a warning event on the job. What a tracking server answered is not in it (the
+tenant may have pointed the integration at a server it should not read): an MLflow error
+says its HTTP status and error code only; the run's log has the rest.
+
+A tenant's MLflow ``tracking_uri`` is checked against the outbound policy (the API's
+``TUNEFLEET_OUTBOUND_ALLOW``) when the run opens it, and every name lookup MLflow makes
+for its host while the integration runs is checked again (``outbound.guard_resolution``):
+a host that resolves to a private or metadata address, then or later, is refused before
+MLflow connects. The operator's default (``MLFLOW_TRACKING_URI``) is the operator's
+choice and is not checked. W&B's server is the operator's (``WANDB_BASE_URL``): a tenant
+names only a project, and an entity.
 """
 
 from __future__ import annotations
@@ -21,7 +31,14 @@ import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
+from tunefleet.platform.outbound import (
+    PUBLIC_ONLY,
+    OutboundPolicy,
+    OutboundRefused,
+    guard_resolution,
+)
 from tunefleet.platform.spec import Integration, JobSpec, MlflowOptions, WandbOptions
 
 log = logging.getLogger(__name__)
@@ -119,8 +136,16 @@ class Trackers:
         *,
         warn: Callable[[str], None],
         environment: dict[str, str] | None = None,
+        outbound: OutboundPolicy = PUBLIC_ONLY,
     ):
         self._warn = warn
+        self._outbound = outbound
+        # the hosts of the tracking servers the tenant named, looked up only as allowed
+        self._hosts = {
+            urlsplit(i.mlflow.tracking_uri).hostname or "": "mlflow tracking_uri"
+            for i in spec.integrations
+            if i.mlflow is not None and i.mlflow.tracking_uri is not None
+        }
         # by position in the job's list: a job may name two of one type (two MLflow
         # servers), each its own tracker
         self._open: dict[int, tuple[str, _Tracker]] = {}
@@ -132,6 +157,8 @@ class Trackers:
     def _start(
         self, i: int, integration: Integration, spec: JobSpec, config: dict[str, Any]
     ) -> None:
+        if integration.mlflow is not None and integration.mlflow.tracking_uri is not None:
+            self._outbound.check_url(integration.mlflow.tracking_uri, what="mlflow tracking_uri")
         self._open[i] = (integration.type, _open(integration, spec, config))
 
     def _guard(self, i: int, name: str, call: Callable[[], None]) -> None:
@@ -139,13 +166,14 @@ class Trackers:
         integration and say so once. Broad on purpose: a tracker's library may raise
         anything, and no tracker may fail a job."""
         try:
-            call()
+            with guard_resolution(self._outbound, self._hosts):
+                call()
         except Exception as exc:
             self._open.pop(i, None)
             log.warning("integration %s failed", name, exc_info=True)
             self._warn(
                 f"The {name} integration failed and is off for the rest of this run "
-                f"(training goes on): {type(exc).__name__}: {str(exc)[:300]}"
+                f"(training goes on): {_reason(exc)}"
             )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -161,6 +189,41 @@ class Trackers:
         for i, (name, tracker) in list(self._open.items()):
             self._guard(i, name, partial(tracker.finish, completed))
         self._open.clear()
+
+
+def _reason(exc: BaseException) -> str:
+    """Why an integration failed, for the tenant: never what a server answered. An MLflow
+    error (its message may quote the reply's body, or a refusal found inside MLflow's
+    retries) gives its HTTP status and error code; others their own text (a local error,
+    a connection refused, the outbound policy's refusal)."""
+    refused = next((e for e in _chain(exc) if isinstance(e, OutboundRefused)), None)
+    if refused is not None:
+        return f"refused: {refused}"
+    if type(exc).__module__.startswith("mlflow"):
+        import requests  # MLflow's HTTP client
+
+        unreachable = (ConnectionError, requests.exceptions.ConnectionError)
+        unreached = next((e for e in _chain(exc) if isinstance(e, unreachable)), None)
+        if unreached is not None:  # no answer: nothing of a server's to hide
+            return (
+                f"{type(exc).__name__}: could not connect to the tracking server "
+                f"({type(unreached).__name__})"
+            )
+        status = getattr(exc, "get_http_status_code", lambda: None)()
+        code = getattr(exc, "error_code", None)
+        return (
+            f"{type(exc).__name__} (HTTP {status}, {code}): the tracking server refused or "
+            "failed the request; the run's log on its node has the details"
+        )
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
 
 
 def job_config(spec: JobSpec, **extra: Any) -> dict[str, Any]:

@@ -170,6 +170,8 @@ def run(job_id: str, run_id: str) -> None:
             # where the job's integrations write (never their credentials: see
             # spec.INTEGRATION_ENV)
             "integration_env": {k: os.environ[k] for k in INTEGRATION_ENV if k in os.environ},
+            # where the integrations a tenant addressed may connect (the API's policy)
+            "outbound_allow": list(settings.outbound_allow),
             # where a run's start-up time goes (the loop reports it with its first event)
             "startup": {
                 "driver_process": psutil.Process().create_time(),
