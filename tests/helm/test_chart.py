@@ -423,6 +423,24 @@ def test_with_a_metrics_token_the_service_monitor_sends_what_the_services_ask_fo
     assert not [e for e in plain if "authorization" in e]
 
 
+def test_the_operators_outbound_allowlist_reaches_the_api_and_the_controllers() -> None:
+    """tests/platform/test_outbound.py: TUNEFLEET_OUTBOUND_ALLOW, a JSON list, is what the
+    API checks webhook and MLflow addresses against when they are given, and what the
+    controllers check them against when they connect (and hand on to runs)."""
+    objects = render(
+        variant("s3"), "outbound.allow[0]=10.0.3.7/32", "outbound.allow[1]=mlflow.internal"
+    )
+    for deployment, name in (("-api", "api"), ("-controller", "controller")):
+        env = {
+            e["name"]: e for e in container(find(objects, "Deployment", deployment), name)["env"]
+        }
+        allow = json.loads(env["TUNEFLEET_OUTBOUND_ALLOW"]["value"])
+        assert allow == ["10.0.3.7/32", "mlflow.internal"]
+        assert Settings(outbound_allow=allow).outbound_policy.host_allowed("mlflow.internal")
+    plain = container(find(rendered(variant("s3")), "Deployment", "-api"), "api")["env"]
+    assert "TUNEFLEET_OUTBOUND_ALLOW" not in {e["name"] for e in plain}  # public only
+
+
 def test_ingress_and_autoscaler_for_the_api() -> None:
     objects = rendered(variant("ingress-hpa"))
     ingress = find(objects, "Ingress", "-api")

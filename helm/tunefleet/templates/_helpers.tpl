@@ -180,6 +180,10 @@ tunefleet.io/member: {{ .Release.Name | quote }}
 - name: TUNEFLEET_METRICS_TOKEN
   valueFrom: {secretKeyRef: {name: {{ . }}, key: token}}
 {{- end }}
+{{- with .Values.outbound.allow }}
+- name: TUNEFLEET_OUTBOUND_ALLOW
+  value: {{ toJson . | quote }}
+{{- end }}
 {{ include "tunefleet.storageEnv" . }}
 {{- end }}
 
