@@ -327,6 +327,43 @@ def test_a_dpo_job_refused_names_the_field_and_the_fix(
     assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_a)).json()["data"] == []
 
 
+def test_integrations_write_in_the_tenants_own_tracking_space(
+    app_client: TestClient, key_a: str, settings: Settings
+) -> None:
+    """The operator's MLflow server and W&B account are shared: a tenant's names are placed
+    inside its own space (Settings' templates: "{tenant}/{experiment}" and
+    "{tenant}-{project}"), and an entity other than the operator's is refused. The job
+    shows what the tenant sent; its run writes where the spec says. A tenant's own MLflow
+    server is its own space: its names are left alone."""
+    f = upload(app_client, key_a, json.dumps(CHAT).encode())
+    integrations = [
+        {"type": "wandb", "wandb": {"project": "p", "tags": ["x"]}},
+        {"type": "mlflow", "mlflow": {"experiment_name": "e"}},
+        {
+            "type": "mlflow",
+            "mlflow": {"tracking_uri": "https://mlflow.a.example", "experiment_name": "e"},
+        },
+    ]
+    body = {"model": TINY, "training_file": f["id"], "integrations": integrations}
+    job = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body).json()
+    assert job["integrations"] == integrations
+    with session_scope(settings.resolved_database_url) as s:
+        stored = s.get(Job, job["id"])
+        assert stored is not None
+        placed = stored.spec["integrations"]
+    assert (placed[0]["wandb"]["project"], placed[0]["wandb"]["entity"]) == ("tenant-a-p", None)
+    assert placed[1]["mlflow"]["experiment_name"] == "tenant-a/e"
+    assert placed[2]["mlflow"]["experiment_name"] == "e"
+
+    body["integrations"] = [{"type": "wandb", "wandb": {"project": "p", "entity": "globex-ml"}}]
+    refused = app_client.post("/v1/fine_tuning/jobs", headers=H(key_a), json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "integrations"
+    assert refused.json()["error"]["message"] == (
+        "wandb entity 'globex-ml' is not this tenant's: runs go to the operator's W&B "
+        "account; leave entity out"
+    )
+
+
 def MLFLOW(uri: str) -> list[dict[str, Any]]:
     return [{"type": "mlflow", "mlflow": {"tracking_uri": uri}}]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -100,12 +101,15 @@ def test_a_request_is_pinned_to_the_address_checked_with_the_names_host_and_tls(
     assert v6_args["headers"] == {"a": "b", "host": "v6.example:8080"}
 
 
-def test_the_resolution_guard_checks_only_its_hosts_and_leaves_nothing_behind(
+def test_the_resolution_guard_checks_only_its_hosts_in_its_thread_and_leaves_nothing_behind(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with guard_resolution(OutboundPolicy(), {"localhost": "mlflow tracking_uri"}):
         with pytest.raises(OutboundRefused, match="'localhost' resolves to"):
             socket.getaddrinfo("localhost", 80)
         assert socket.getaddrinfo("127.0.0.1", 80)  # not a guarded host: as before
+        # another thread of the process (a checkpoint upload, W&B's) is not held to it
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(socket.getaddrinfo, "localhost", 80).result()
     assert socket.getaddrinfo is outbound._system_getaddrinfo
     assert socket.getaddrinfo("localhost", 80)

@@ -692,7 +692,7 @@ def test_a_jobs_integrations_hold_its_config_and_metrics(
     """A real run on Ray with OpenAI's W&B integration (offline: W&B's run files) and
     TuneFleet's MLflow one (a local SQLite store): each holds every step's loss as the job's events
     do, and the settled config."""
-    from tracker_files import mlflow_run, wandb_history
+    from tracker_files import mlflow_run, wandb_history, wandb_records
 
     job_id, error = runs["tracked"]
     assert error is None, error
@@ -705,7 +705,17 @@ def test_a_jobs_integrations_hold_its_config_and_metrics(
     assert {s: round(r["train_loss"], 6) for s, r in steps.items()} == {
         s: round(v, 6) for s, v in losses.items()
     }
-    client, run = mlflow_run(MLFLOW_STORE(ray_env["data"]), "ci", job_id)
+    # in the tenant's own project of the operator's account (TUNEFLEET_WANDB_PROJECT_TEMPLATE)
+    runs_of_job = (ray_env["data"] / "wandb").rglob(f"offline-run-*-{job_id}/run-*.wandb")
+    projects = {
+        record.run.project
+        for path in runs_of_job
+        for record in wandb_records(path)
+        if record.WhichOneof("record_type") == "run"
+    }
+    assert projects == {"acme-tunefleet-tests"}
+    # in the tenant's own space of the operator's store (TUNEFLEET_MLFLOW_EXPERIMENT_TEMPLATE)
+    client, run = mlflow_run(MLFLOW_STORE(ray_env["data"]), "acme/ci", job_id)
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "train_loss")
     assert {m.step: round(m.value, 6) for m in history} == {

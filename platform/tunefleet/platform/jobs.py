@@ -42,12 +42,15 @@ from tunefleet.platform.spec import (
     Integration,
     JobSpec,
     Objective,
+    TrackingSpaces,
     TuneFleetOptions,
     dpo_problem,
 )
 from tunefleet.platform.status import JobStatus
 from tunefleet.platform.tenants import Principal
 
+# The default tracking spaces (Settings' defaults): each tenant's names under its own.
+TENANT_SPACES = TrackingSpaces()
 _SUFFIX_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -453,11 +456,12 @@ def create_job(
     idempotency_key: str | None = None,
     device: PlanDevice | None = None,
     outbound: OutboundPolicy = PUBLIC_ONLY,
+    spaces: TrackingSpaces = TENANT_SPACES,
 ) -> Row[Any]:
     """Validate references, build the spec and store the job in ``validating_files``
     with its memory plan for ``device``; the stored row (``JOB_COLUMNS``). The addresses
     its integrations name must be ones ``outbound`` (``Settings.outbound_policy``) may
-    allow.
+    allow; their names are placed in the tenant's own tracking space (``spaces``).
 
     Its one write is ``insert_job``, atomic by itself on both databases. Add no other:
     sessions of the hot routes are in autocommit on PostgreSQL, so a second write would be
@@ -488,6 +492,11 @@ def create_job(
     spec, settled = build_spec(
         req, job_id=job_id, tenant_id=principal.tenant_id, config=config, examples=examples
     )
+    try:
+        placed = tuple(spaces.place(i, principal.tenant_name) for i in spec.integrations)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="integrations") from None
+    spec = spec.model_copy(update={"integrations": placed})
     if spec.tunefleet.init_from_job is not None:
         spec = _start_from(session, principal, spec)
     plan = None

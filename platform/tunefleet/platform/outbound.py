@@ -166,12 +166,14 @@ def _kind(ip: IPAddress) -> str:
 # checks look names up with (tests replace the latter to make a name resolve elsewhere).
 _system_getaddrinfo = _getaddrinfo = socket.getaddrinfo
 _guard_lock = threading.Lock()
-_guarded: dict[str, tuple[OutboundPolicy, str]] = {}
+_guards = 0  # guards active in this process: socket.getaddrinfo is wrapped while any is
+_guarded = threading.local()  # .hosts: this thread's guarded hosts -> (policy, what)
 
 
 def _guarded_getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
     key = host.decode() if isinstance(host, bytes) else host
-    entry = _guarded.get(str(key).lower().rstrip(".")) if key is not None else None
+    hosts: dict[str, tuple[OutboundPolicy, str]] = getattr(_guarded, "hosts", {})
+    entry = hosts.get(str(key).lower().rstrip(".")) if key is not None else None
     infos = _getaddrinfo(host, port, *args, **kwargs)
     if entry is not None:
         policy, what = entry
@@ -181,22 +183,29 @@ def _guarded_getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any
 
 @contextmanager
 def guard_resolution(policy: OutboundPolicy, hosts: dict[str, str]) -> Iterator[None]:
-    """While inside, every name lookup of this process for one of ``hosts`` (host ->
-    what it is, e.g. "MLflow tracking_uri") is checked by ``policy`` first: for libraries
-    that open their own connections (MLflow's ``requests``), the check happens at each
-    connection, not once. A check refused raises ``OutboundRefused`` from the lookup
-    (an ``OSError`` is not raised: callers' retries on network errors would retry it)."""
+    """While inside, every name lookup *this thread* makes for one of ``hosts`` (host ->
+    what it is, e.g. "mlflow tracking_uri") is checked by ``policy`` first: for libraries
+    that open their own connections in the caller's thread (MLflow's client, ``requests``),
+    the check happens at each connection, not once. Other threads (the run's checkpoint
+    uploads, W&B's) look names up as before, whatever host they name. A check refused
+    raises ``OutboundRefused`` from the lookup (not an ``OSError``: callers' retries on
+    network errors would retry it)."""
+    global _guards
+    previous = getattr(_guarded, "hosts", {})
+    _guarded.hosts = {
+        **previous,
+        **{host.lower().rstrip("."): (policy, what) for host, what in hosts.items()},
+    }
     with _guard_lock:
-        for host, what in hosts.items():
-            _guarded[host.lower().rstrip(".")] = (policy, what)
+        _guards += 1
         socket.getaddrinfo = _guarded_getaddrinfo
     try:
         yield
     finally:
+        _guarded.hosts = previous
         with _guard_lock:
-            for host in hosts:
-                _guarded.pop(host.lower().rstrip("."), None)
-            if not _guarded:
+            _guards -= 1
+            if not _guards:
                 socket.getaddrinfo = _system_getaddrinfo
 
 

@@ -7,15 +7,17 @@ Nothing here is built at import time: call ``get_settings()`` where a value is n
 from __future__ import annotations
 
 import os
+import string
 import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tunefleet.platform.outbound import OutboundPolicy
+from tunefleet.platform.spec import TrackingSpaces
 
 
 class NodeTypeSetting(BaseModel):
@@ -224,6 +226,61 @@ class Settings(BaseSettings):
         "metadata service) and other non-public addresses are refused otherwise. A JSON "
         "list in the environment.",
     )
+
+    mlflow_experiment_template: str = Field(
+        default="{tenant}/{experiment}",
+        max_length=256,
+        description="The MLflow experiment a tenant's job writes to on the operator's "
+        "tracking server (MLFLOW_TRACKING_URI): {tenant} is the tenant's name, {experiment} "
+        "the job's experiment_name. Must hold {tenant}: tenants share the server's "
+        "experiments otherwise.",
+    )
+    wandb_entity_template: str = Field(
+        default="",
+        max_length=128,
+        description="The W&B entity (team) of tenants' runs, e.g. {tenant} for a team per "
+        "tenant; empty: the W&B key's default entity. A job's own entity is refused unless "
+        "it is this one.",
+    )
+    wandb_project_template: str = Field(
+        default="{tenant}-{project}",
+        max_length=128,
+        description="The W&B project of a tenant's runs, {project} the job's. The entity or "
+        "the project template must hold {tenant}.",
+    )
+
+    @model_validator(mode="after")
+    def _tracking_templates(self) -> Settings:
+        templates = {
+            "TUNEFLEET_MLFLOW_EXPERIMENT_TEMPLATE": (self.mlflow_experiment_template, "experiment"),
+            "TUNEFLEET_WANDB_ENTITY_TEMPLATE": (self.wandb_entity_template, None),
+            "TUNEFLEET_WANDB_PROJECT_TEMPLATE": (self.wandb_project_template, "project"),
+        }
+        for name, (template, field) in templates.items():
+            fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+            allowed = {"tenant"} | ({field} if field else set())
+            if not fields <= allowed:
+                raise ValueError(
+                    f"{name} {template!r} may hold only "
+                    + " and ".join(f"{{{f}}}" for f in sorted(allowed))
+                )
+        if "{tenant}" not in self.mlflow_experiment_template:
+            raise ValueError(
+                "TUNEFLEET_MLFLOW_EXPERIMENT_TEMPLATE must hold {tenant}: tenants would write "
+                "into each other's experiments"
+            )
+        if "{tenant}" not in self.wandb_entity_template + self.wandb_project_template:
+            raise ValueError(
+                "TUNEFLEET_WANDB_ENTITY_TEMPLATE or TUNEFLEET_WANDB_PROJECT_TEMPLATE must hold "
+                "{tenant}: tenants would write into each other's projects"
+            )
+        return self
+
+    @property
+    def tracking_spaces(self) -> TrackingSpaces:
+        return TrackingSpaces(
+            self.mlflow_experiment_template, self.wandb_entity_template, self.wandb_project_template
+        )
 
     @field_validator("outbound_allow")
     @classmethod

@@ -10,6 +10,7 @@ need several runs after a failure or a pause).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -457,6 +458,46 @@ class MlflowOptions(_Frozen):
                     "operator's"
                 )
         return v
+
+
+@dataclass(frozen=True)
+class TrackingSpaces:
+    """Where each tenant's integrations write in the operator's tracking accounts, as
+    templates (``Settings.mlflow_experiment_template``, ``wandb_entity_template``,
+    ``wandb_project_template``) of ``{tenant}`` (the tenant's name) and the name the job
+    gave. A tenant picks names inside its own space only: the job's spec holds the placed
+    names, its ``integrations`` what the tenant sent."""
+
+    mlflow_experiment: str = "{tenant}/{experiment}"
+    wandb_entity: str = ""  # empty: the W&B key's default entity
+    wandb_project: str = "{tenant}-{project}"
+
+    def place(self, integration: Integration, tenant: str) -> Integration:
+        """``integration`` with its names inside ``tenant``'s space; a W&B ``entity``
+        other than the operator's is refused (``ValueError``, naming it)."""
+        if integration.mlflow is not None and integration.mlflow.tracking_uri is None:
+            # the operator's server: its experiments are shared by every tenant (a
+            # tenant's own server is its own space)
+            experiment = self.mlflow_experiment.format(
+                tenant=tenant, experiment=integration.mlflow.experiment_name
+            )
+            mlflow = integration.mlflow.model_copy(update={"experiment_name": experiment})
+            return integration.model_copy(update={"mlflow": mlflow})
+        if integration.wandb is not None:
+            entity = self.wandb_entity.format(tenant=tenant) or None
+            given = integration.wandb.entity
+            if given is not None and given != entity:
+                raise ValueError(
+                    f"wandb entity {given!r} is not this tenant's: the operator sets it "
+                    f"({entity!r} here, TUNEFLEET_WANDB_ENTITY_TEMPLATE); leave entity out"
+                    if entity
+                    else f"wandb entity {given!r} is not this tenant's: runs go to the "
+                    "operator's W&B account; leave entity out"
+                )
+            project = self.wandb_project.format(tenant=tenant, project=integration.wandb.project)
+            wandb = integration.wandb.model_copy(update={"entity": entity, "project": project})
+            return integration.model_copy(update={"wandb": wandb})
+        return integration
 
 
 # What the controller's environment tells runs about the integrations' destinations (never

@@ -84,6 +84,7 @@ async def create(
             idempotency_key=idempotency_key,
             device=device,
             outbound=settings.outbound_policy,
+            spaces=settings.tracking_spaces,
         )
         session.commit()
     except (IntegrityError, TuneFleetError):

@@ -15,7 +15,8 @@ says its HTTP status and error code only; the run's log has the rest.
 
 A tenant's MLflow ``tracking_uri`` is checked against the outbound policy (the API's
 ``TUNEFLEET_OUTBOUND_ALLOW``) when the run opens it, and every name lookup MLflow makes
-for its host while the integration runs is checked again (``outbound.guard_resolution``):
+for its host while the integration runs (in its thread: MLflow's client is synchronous)
+is checked again (``outbound.guard_resolution``):
 a host that resolves to a private or metadata address, then or later, is refused before
 MLflow connects. The operator's default (``MLFLOW_TRACKING_URI``) is the operator's
 choice and is not checked. W&B's server is the operator's (``WANDB_BASE_URL``): a tenant
