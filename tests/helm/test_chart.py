@@ -7,6 +7,7 @@ the elastic cluster's drains, upgrades, driver placement and node types)."""
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
 import re
 import shlex
@@ -31,6 +32,7 @@ from helmchart import (
     pod_specs,
     render,
 )
+from tunefleet.platform.outbound import OutboundPolicy
 from tunefleet.platform.serving_contract import (
     NODE_ROLE_LABEL,
     NOT_FOR_REPLICAS,
@@ -322,11 +324,44 @@ def test_ray_and_serve_are_reachable_from_tunefleet_pods_alone() -> None:
     (head,) = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
     head_ports = {p["name"]: p["containerPort"] for p in head["ports"]}
     assert head_ports["serve"] == 8000 and head_ports["dashboard"] == 8265
+    # PostgreSQL: the API, the controllers and the migrations alone; not Ray's pods, where
+    # runs and tenants' code execute (runs never touch the database)
     database = find(objects, "NetworkPolicy", "-postgres")
     assert _selects(database["spec"]["podSelector"], pods["postgres"])
     (rule,) = database["spec"]["ingress"]
-    assert not _selects(rule["from"][0]["podSelector"], pods["any other pod"])
-    assert _selects(rule["from"][0]["podSelector"], pods["api"])
+    assert rule["ports"] == [{"port": 5432, "protocol": "TCP"}]
+    reaching = {
+        name
+        for name, labels in pods.items()
+        if any(_selects(peer["podSelector"], labels) for peer in rule["from"])
+    }
+    assert reaching == {"api", "controller", "migrate"}
+
+    # Egress of Ray's workers: this release's pods, DNS, public addresses; the head (its
+    # autoscaler calls the Kubernetes API) and the controllers' Ray nodes are not held
+    egress = find(objects, "NetworkPolicy", "-ray-egress")
+    held = {
+        name for name, labels in pods.items() if _selects(egress["spec"]["podSelector"], labels)
+    }
+    assert held == {"worker"}
+    assert egress["spec"]["policyTypes"] == ["Egress"]
+    members_rule, dns, public = egress["spec"]["egress"]
+    assert _selects(members_rule["to"][0]["podSelector"], pods["head"])
+    assert dns == {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+    v4, v6 = (peer["ipBlock"] for peer in public["to"])
+    assert (v4["cidr"], v6["cidr"]) == ("0.0.0.0/0", "::/0")
+    # what the outbound policy refuses, the network refuses too
+    for address in ("169.254.169.254", "10.1.2.3", "172.20.0.1", "192.168.1.1", "100.64.0.9"):
+        ip = ipaddress.ip_address(address)
+        assert any(ip in ipaddress.ip_network(n) for n in v4["except"]), address
+        assert not OutboundPolicy().address_allowed(ip)
+    assert "fc00::/7" in v6["except"] and "fe80::/10" in v6["except"]
+    opened = render(variant("s3"), "networkPolicy.rayEgressTo[0].ipBlock.cidr=169.254.169.254/32")
+    assert find(opened, "NetworkPolicy", "-ray-egress")["spec"]["egress"][3] == {
+        "to": [{"ipBlock": {"cidr": "169.254.169.254/32"}}]
+    }
+    off = render(variant("s3"), "networkPolicy.rayWorkerEgress=false")
+    assert not [o for o in off if o["metadata"]["name"].endswith("-ray-egress")]
 
 
 def test_hooks_migrate_after_the_database_secret_and_keep_failed_jobs() -> None:

@@ -13,6 +13,7 @@ metadata:
     {{- include "tunefleet.selector" (dict "root" $root "component" "ray") | nindent 4 }}
     {{- include "tunefleet.memberLabel" $root | nindent 4 }}
     tunefleet.io/ray-node: "true"
+    tunefleet.io/ray-role: {{ ternary "head" "worker" .head }}
     {{- with $root.Values.podLabels }}{{ toYaml . | nindent 4 }}{{ end }}
   {{- with $root.Values.podAnnotations }}
   annotations: {{- toYaml . | nindent 4 }}
