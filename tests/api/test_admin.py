@@ -11,15 +11,9 @@ from sqlalchemy import select
 
 from conftest import auth as H
 from conftest import upload_chat
+from dashboard_client import admin_key
 from tunefleet.platform.db import Job, JobEvent, session_scope
 from tunefleet.platform.settings import Settings
-from tunefleet.platform.tenants import create_key, create_tenant
-
-
-def admin_key(settings: Settings) -> str:
-    with session_scope(settings.resolved_database_url) as s:
-        tenant = create_tenant(s, "ops")
-        return create_key(s, tenant.id, is_admin=True)[1]
 
 
 def test_admin_routes_need_an_admin_key(app_client: TestClient, key_a: str) -> None:

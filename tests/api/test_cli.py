@@ -63,7 +63,7 @@ def test_cli_drives_files_and_jobs(
     assert "queued" in runner.invoke(app, ["jobs", "resume", job["id"]], env=env).output
     assert "cancelled" in runner.invoke(app, ["jobs", "cancel", job["id"]], env=env).output
     events = runner.invoke(app, ["jobs", "events", job["id"]], env=env).output
-    assert "Job paused by request" in events and "Job cancelled by request" in events
+    assert "Job paused by key " in events and "Job cancelled by key " in events
     followed = runner.invoke(app, ["jobs", "events", job["id"], "--follow"], env=env)
     assert followed.exit_code == 0 and f"{job['id']} cancelled" in followed.output
     # an API error is printed in the API's own words, exit 1

@@ -304,6 +304,36 @@ class DeletedWebhookEndpoint(_Open):
     deleted: bool
 
 
+class AuditActor(_Open):
+    key_id: str | None = Field(description="The key that acted; null for the operator's CLI.")
+    tenant_id: str | None
+    via: Literal["api", "dashboard", "cli"]
+
+
+class AuditTarget(_Open):
+    type: str
+    id: str
+    tenant_id: str | None = Field(description="The tenant the object belongs to.")
+
+
+class AuditEntryObject(_Open):
+    id: str
+    object: Literal["audit_entry"]
+    created_at: int
+    actor: AuditActor
+    action: str = Field(description="e.g. tenant.quotas, key.revoke, job.pause")
+    target: AuditTarget
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+
+
+class AuditList(_Open):
+    object: Literal["list"]
+    data: list[AuditEntryObject]
+    has_more: bool
+    last_id: str | None
+
+
 class WebhookEndpointList(_Open):
     object: Literal["list"]
     data: list[WebhookEndpointObject]

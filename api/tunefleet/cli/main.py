@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from tunefleet.cli._client import files_app, jobs_app
+from tunefleet.platform import audit
 from tunefleet.platform.db import session_scope
 from tunefleet.platform.db.migrate import downgrade as db_downgrade
 from tunefleet.platform.db.migrate import upgrade as db_upgrade
@@ -262,10 +263,11 @@ def admin_create_tenant(
             max_concurrent_jobs=max_concurrent_jobs,
             max_gpus=max_gpus,
             max_waiting_jobs=max_waiting_jobs,
+            actor=audit.CLI,
         )
         out = {"tenant_id": tenant.id, "name": tenant.name}
         if with_key:
-            key, plaintext = create_key(s, tenant.id, name="initial")
+            key, plaintext = create_key(s, tenant.id, name="initial", actor=audit.CLI)
             out |= {"key_id": key.id, "api_key": plaintext}
     typer.echo(json.dumps(out))
 
@@ -279,7 +281,7 @@ def admin_create_key(
     """Create an API key for TENANT (name or id); prints JSON with the key, shown once."""
     with session_scope(get_settings().resolved_database_url) as s:
         tenant_id = _tenant_id(s, tenant)
-        key, plaintext = create_key(s, tenant_id, name=name, is_admin=admin)
+        key, plaintext = create_key(s, tenant_id, name=name, is_admin=admin, actor=audit.CLI)
         typer.echo(
             json.dumps(
                 {
@@ -341,6 +343,7 @@ def admin_create_webhook(
             events=event,
             description=description,
             policy=get_settings().outbound_policy,
+            actor=audit.CLI,
         )
         typer.echo(json.dumps(webhooks.endpoint_view(endpoint, with_secret=True)))
 
@@ -361,7 +364,7 @@ def admin_delete_webhook(endpoint_id: str) -> None:
     from tunefleet.platform import webhooks
 
     with _admin_session() as s:
-        webhooks.remove_endpoint(s, endpoint_id)
+        webhooks.remove_endpoint(s, endpoint_id, actor=audit.CLI)
     typer.echo(json.dumps({"id": endpoint_id, "object": "webhook_endpoint", "deleted": True}))
 
 

@@ -18,6 +18,7 @@ PREFIXES = {
     "webhook": "whep",
     "delivery": "whdlv",
     "webhook_event": "evt",
+    "audit": "audit",
 }
 
 

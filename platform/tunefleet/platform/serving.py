@@ -16,6 +16,8 @@ from typing import Any, Literal, get_args
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
+from tunefleet.platform import audit
+from tunefleet.platform.audit import Actor
 from tunefleet.platform.db import Adapter, AdapterShare, Checkpoint, Job, Tenant
 from tunefleet.platform.errors import InvalidRequest, NotFound
 from tunefleet.platform.serving_contract import checkpoint_adapter_id
@@ -68,14 +70,20 @@ def describe(adapter: Adapter) -> dict[str, object]:
 
 
 def set_serving(
-    session: Session, name: str, *, mode: str | None = None, pinned: bool | None = None
+    session: Session,
+    name: str,
+    *,
+    mode: str | None = None,
+    pinned: bool | None = None,
+    actor: Actor | None = None,
 ) -> Adapter:
     """Move adapter ``name`` between merged and multiplexed serving, or pin it (an admin's
     call: every tenant's adapters share the replicas). Replicas apply it when the
-    controller next pushes their config."""
+    controller next pushes their config. Recorded as ``actor``'s act when given."""
     adapter = session.scalar(select(Adapter).where(Adapter.name == name))
     if adapter is None:
         raise NotFound(f"no fine-tuned model named {name!r}", param="model")
+    before = {"serving_mode": adapter.serving_mode, "pinned": adapter.pinned}
     if mode is not None:
         if mode not in get_args(ServingMode):
             raise InvalidRequest(
@@ -86,6 +94,17 @@ def set_serving(
     if pinned is not None:
         adapter.pinned = pinned
     session.flush()
+    if actor is not None:
+        audit.record(
+            session,
+            actor,
+            "adapter.serving",
+            target_type="model",
+            target_id=name,
+            tenant_id=adapter.tenant_id,
+            before=before,
+            after={"serving_mode": adapter.serving_mode, "pinned": adapter.pinned},
+        )
     return adapter
 
 

@@ -13,9 +13,11 @@ from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from tunefleet.platform import audit
+from tunefleet.platform.audit import Actor
 from tunefleet.platform.db import Job, JobEvent, now_s
 from tunefleet.platform.errors import Conflict
 from tunefleet.platform.ids import new_id
@@ -141,16 +143,41 @@ def transition(
 
 
 # What a tenant may ask of its job (the REST routes and the dashboard's buttons): the
-# states the job must be in, the state it moves to, and the event that records it.
+# states the job must be in, the state it moves to, and the event that records it ({by}:
+# who asked).
 REQUESTS: dict[str, tuple[tuple[JobStatus, ...], JobStatus, str]] = {
-    "cancel": (tuple(sources(S.CANCELLED)), S.CANCELLED, "Job cancelled by request"),
-    "pause": (tuple(sources(S.PAUSED)), S.PAUSED, "Job paused by request"),
-    "resume": ((S.PAUSED,), S.QUEUED, "Job resumed by request; queued"),
+    "cancel": (tuple(sources(S.CANCELLED)), S.CANCELLED, "Job cancelled by {by}"),
+    "pause": (tuple(sources(S.PAUSED)), S.PAUSED, "Job paused by {by}"),
+    "resume": ((S.PAUSED,), S.QUEUED, "Job resumed by {by}; queued"),
 }
 
 
-def request_move(session: Session, job_id: str, action: str) -> None:
-    """Do the tenant's ``action`` (a key of REQUESTS) on ``job_id`` (a compare-and-set:
-    ``Conflict`` naming the job's state when it is in none the action starts from)."""
+def request_move(session: Session, job_id: str, action: str, actor: Actor | None = None) -> None:
+    """Do ``action`` (a key of REQUESTS) on ``job_id`` (a compare-and-set: ``Conflict``
+    naming the job's state when it is in none the action starts from). With an ``actor``
+    (the REST routes, the dashboard), the job's event names it, and an act on another
+    tenant's job (an admin's) goes in the audit log with the status before and after."""
     expected, to, message = REQUESTS[action]
-    transition(session, job_id, expected, to, message)
+    if actor is None:
+        transition(session, job_id, expected, to, message.format(by="request"))
+        return
+    found = session.execute(select(Job.tenant_id, Job.status).where(Job.id == job_id)).first()
+    transition(
+        session,
+        job_id,
+        expected,
+        to,
+        message.format(by=actor.describe()),
+        data={"actor": {"key_id": actor.key_id, "via": actor.via}},
+    )
+    if found is not None and found.tenant_id != actor.tenant_id:
+        audit.record(
+            session,
+            actor,
+            f"job.{action}",
+            target_type="job",
+            target_id=job_id,
+            tenant_id=found.tenant_id,
+            before={"status": found.status},
+            after={"status": to.value},
+        )

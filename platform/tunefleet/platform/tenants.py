@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from tunefleet.platform import audit
+from tunefleet.platform.audit import Actor
 from tunefleet.platform.db import ApiKey, Job, Tenant, now_s
 from tunefleet.platform.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
 from tunefleet.platform.ids import new_id
@@ -48,7 +50,9 @@ def create_tenant(
     max_concurrent_jobs: int = 4,
     max_gpus: int = 8,
     max_waiting_jobs: int = 100,
+    actor: Actor | None = None,
 ) -> Tenant:
+    """A new tenant; recorded in the audit log as ``actor``'s act when given."""
     if not _NAME_RE.match(name):
         raise InvalidRequest(
             f"tenant name {name!r} is invalid; use 1-63 lowercase letters, digits and '-'",
@@ -66,13 +70,33 @@ def create_tenant(
     )
     session.add(tenant)
     session.flush()
+    if actor is not None:
+        audit.record(
+            session,
+            actor,
+            "tenant.create",
+            target_type="tenant",
+            target_id=tenant.id,
+            tenant_id=tenant.id,
+            after={"name": name, **_quotas(tenant)},
+        )
     return tenant
 
 
+def _quotas(tenant: Tenant) -> dict[str, int]:
+    return {name: getattr(tenant, name) for name in QUOTAS}
+
+
 def create_key(
-    session: Session, tenant_id: str, *, name: str = "", is_admin: bool = False
+    session: Session,
+    tenant_id: str,
+    *,
+    name: str = "",
+    is_admin: bool = False,
+    actor: Actor | None = None,
 ) -> tuple[ApiKey, str]:
-    """A new key row and the plaintext key, which is not stored and cannot be shown again."""
+    """A new key row and the plaintext key, which is not stored and cannot be shown again;
+    recorded in the audit log as ``actor``'s act when given (never the key itself)."""
     plaintext = "tf-" + secrets.token_urlsafe(32).replace("-", "x").replace("_", "y")
     key = ApiKey(
         id=new_id("key"),
@@ -85,6 +109,16 @@ def create_key(
     )
     session.add(key)
     session.flush()
+    if actor is not None:
+        audit.record(
+            session,
+            actor,
+            "key.create",
+            target_type="api_key",
+            target_id=key.id,
+            tenant_id=tenant_id,
+            after={"name": name, "admin": is_admin, "prefix": key.prefix},
+        )
     return key, plaintext
 
 
@@ -186,28 +220,55 @@ def active_jobs_by_tenant(session: Session) -> dict[str, int]:
     return {tenant_id: count for tenant_id, count in rows.tuples()}
 
 
-def set_quotas(session: Session, tenant_id: str, **quotas: int) -> Tenant:
+def set_quotas(
+    session: Session, tenant_id: str, *, actor: Actor | None = None, **quotas: int
+) -> Tenant:
     """Change a tenant's ``QUOTAS`` (those given); its keys' cached principals, which
-    carry the old ones, are forgotten."""
+    carry the old ones, are forgotten. Recorded, with the quotas before and after, as
+    ``actor``'s act when given."""
     unknown = set(quotas) - set(QUOTAS)
     if unknown:
         raise InvalidRequest(f"{sorted(unknown)} are not quotas; use {', '.join(QUOTAS)}")
     tenant = get_tenant(session, tenant_id)
+    before = _quotas(tenant)
     for name, value in quotas.items():
         setattr(tenant, name, value)
     session.flush()
     forget_keys()
+    if actor is not None:
+        audit.record(
+            session,
+            actor,
+            "tenant.quotas",
+            target_type="tenant",
+            target_id=tenant.id,
+            tenant_id=tenant.id,
+            before=before,
+            after=_quotas(tenant),
+        )
     return tenant
 
 
-def revoke_key(session: Session, key_id: str) -> ApiKey:
+def revoke_key(session: Session, key_id: str, *, actor: Actor | None = None) -> ApiKey:
     """Revoke a key (again: no change); it stops working in this process at once, in
     other API processes within ``AUTH_CACHE_TTL_S``, and dashboard sessions that name it
-    end at their next request."""
+    end at their next request. Recorded as ``actor``'s act when given."""
     key = session.get(ApiKey, key_id)
     if key is None:
         raise NotFound(f"no API key with id {key_id!r}", param="key_id")
+    before = {"revoked_at": key.revoked_at}
     key.revoked_at = key.revoked_at or now_s()
     session.flush()
     forget_keys()
+    if actor is not None:
+        audit.record(
+            session,
+            actor,
+            "key.revoke",
+            target_type="api_key",
+            target_id=key.id,
+            tenant_id=key.tenant_id,
+            before=before,
+            after={"revoked_at": key.revoked_at},
+        )
     return key

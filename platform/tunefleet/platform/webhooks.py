@@ -28,6 +28,8 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from tunefleet.platform import audit
+from tunefleet.platform.audit import Actor
 from tunefleet.platform.db import Job, WebhookDelivery, WebhookEndpoint, now_s
 from tunefleet.platform.errors import InvalidRequest, NotFound
 from tunefleet.platform.ids import new_id
@@ -80,6 +82,7 @@ def add_endpoint(
     events: Sequence[str] | None = None,
     description: str = "",
     policy: OutboundPolicy,
+    actor: Actor | None = None,
 ) -> WebhookEndpoint:
     """A new endpoint of the tenant for ``events`` (all when None), with a new secret; its
     URL one ``policy`` (``Settings.outbound_policy``) may allow: its host is checked
@@ -95,6 +98,16 @@ def add_endpoint(
     )
     session.add(endpoint)
     session.flush()
+    if actor is not None:
+        audit.record(
+            session,
+            actor,
+            "webhook.create",
+            target_type="webhook",
+            target_id=endpoint.id,
+            tenant_id=tenant_id,
+            after={"url": url, "events": endpoint.events},
+        )
     return endpoint
 
 
@@ -115,11 +128,24 @@ def get_endpoint(session: Session, endpoint_id: str) -> WebhookEndpoint:
     return endpoint
 
 
-def remove_endpoint(session: Session, endpoint_id: str) -> WebhookEndpoint:
-    """Delete the endpoint and its deliveries (sent or not)."""
+def remove_endpoint(
+    session: Session, endpoint_id: str, *, actor: Actor | None = None
+) -> WebhookEndpoint:
+    """Delete the endpoint and its deliveries (sent or not); recorded as ``actor``'s act
+    when given."""
     endpoint = get_endpoint(session, endpoint_id)
     session.delete(endpoint)
     session.flush()
+    if actor is not None:
+        audit.record(
+            session,
+            actor,
+            "webhook.delete",
+            target_type="webhook",
+            target_id=endpoint.id,
+            tenant_id=endpoint.tenant_id,
+            before={"url": endpoint.url, "events": endpoint.events},
+        )
     return endpoint
 
 

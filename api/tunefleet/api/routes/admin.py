@@ -13,6 +13,7 @@ from tunefleet.api._openapi import (
     AdapterList,
     AdapterServing,
     AdminJobList,
+    AuditList,
     DeletedWebhookEndpoint,
     NewKey,
     NewTenant,
@@ -25,7 +26,8 @@ from tunefleet.api._openapi import (
     errors,
     ok,
 )
-from tunefleet.platform import tenants, webhooks
+from tunefleet.platform import audit, tenants, webhooks
+from tunefleet.platform.audit import Actor
 from tunefleet.platform.db import Adapter, Job, Tenant
 from tunefleet.platform.errors import Forbidden
 from tunefleet.platform.jobs import job_view
@@ -97,32 +99,39 @@ def list_tenants(session: SessionDep, _: AdminDep) -> dict[str, Any]:
 
 
 @router.post("/tenants", responses={**ok(NewTenant), **errors(409)})
-def add_tenant(body: TenantCreate, session: SessionDep, _: AdminDep) -> dict[str, Any]:
+def add_tenant(body: TenantCreate, session: SessionDep, admin: AdminDep) -> dict[str, Any]:
+    actor = Actor.of(admin, "api")
     tenant = create_tenant(
         session,
         body.name,
         max_concurrent_jobs=body.max_concurrent_jobs,
         max_gpus=body.max_gpus,
         max_waiting_jobs=body.max_waiting_jobs,
+        actor=actor,
     )
-    key, plaintext = create_key(session, tenant.id, name="initial")
+    key, plaintext = create_key(session, tenant.id, name="initial", actor=actor)
     session.commit()
     return {**tenant_view(tenant), "api_key": plaintext, "key_id": key.id}
 
 
 @router.patch("/tenants/{tenant_id}", responses={**ok(TenantObject), **errors(404)})
 def update_tenant(
-    tenant_id: str, body: TenantUpdate, session: SessionDep, _: AdminDep
+    tenant_id: str, body: TenantUpdate, session: SessionDep, admin: AdminDep
 ) -> dict[str, Any]:
-    tenant = set_quotas(session, tenant_id, **body.model_dump(exclude_none=True))
+    actor = Actor.of(admin, "api")
+    tenant = set_quotas(session, tenant_id, actor=actor, **body.model_dump(exclude_none=True))
     session.commit()
     return tenant_view(tenant)
 
 
 @router.post("/tenants/{tenant_id}/keys", responses={**ok(NewKey), **errors(404)})
-def add_key(tenant_id: str, body: KeyCreate, session: SessionDep, _: AdminDep) -> dict[str, Any]:
+def add_key(
+    tenant_id: str, body: KeyCreate, session: SessionDep, admin: AdminDep
+) -> dict[str, Any]:
     tenant = get_tenant(session, tenant_id)
-    key, plaintext = create_key(session, tenant.id, name=body.name, is_admin=body.admin)
+    key, plaintext = create_key(
+        session, tenant.id, name=body.name, is_admin=body.admin, actor=Actor.of(admin, "api")
+    )
     session.commit()
     return {
         "id": key.id,
@@ -135,8 +144,8 @@ def add_key(tenant_id: str, body: KeyCreate, session: SessionDep, _: AdminDep) -
 
 
 @router.delete("/keys/{key_id}", responses={**ok(RevokedKey), **errors(404)})
-def revoke_key(key_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
-    key = tenants.revoke_key(session, key_id)
+def revoke_key(key_id: str, session: SessionDep, admin: AdminDep) -> dict[str, Any]:
+    key = tenants.revoke_key(session, key_id, actor=Actor.of(admin, "api"))
     session.commit()
     return {"id": key.id, "object": "api_key", "prefix": key.prefix, "revoked": True}
 
@@ -182,12 +191,14 @@ def all_adapters(session: SessionDep, _: AdminDep, base_model: str | None = None
 
 @router.patch("/adapters/{model:path}", responses={**ok(AdapterServing), **errors(404)})
 def update_serving(
-    model: str, body: ServingUpdate, session: SessionDep, _: AdminDep
+    model: str, body: ServingUpdate, session: SessionDep, admin: AdminDep
 ) -> dict[str, Any]:
     """Move an adapter between merged and multiplexed serving, or pin it; every replica of
     its base model applies the change once the controller pushes it (within
     ``TUNEFLEET_SERVE_CONFIG_PUSH_S``), requests in flight finish where they started."""
-    adapter = set_serving(session, model, mode=body.serving_mode, pinned=body.pinned)
+    adapter = set_serving(
+        session, model, mode=body.serving_mode, pinned=body.pinned, actor=Actor.of(admin, "api")
+    )
     session.commit()
     return {**describe(adapter), "tenant_id": adapter.tenant_id}
 
@@ -205,7 +216,11 @@ class WebhookCreate(BaseModel):
 
 @router.post("/tenants/{tenant_id}/webhooks", responses={**ok(NewWebhookEndpoint), **errors(404)})
 def add_webhook(
-    tenant_id: str, body: WebhookCreate, session: SessionDep, settings: SettingsDep, _: AdminDep
+    tenant_id: str,
+    body: WebhookCreate,
+    session: SessionDep,
+    settings: SettingsDep,
+    admin: AdminDep,
 ) -> dict[str, Any]:
     """A webhook endpoint for the tenant's jobs' ends, signed per Standard Webhooks; its
     secret is in this answer only. Its URL must be public, or allowed by the operator
@@ -218,6 +233,7 @@ def add_webhook(
         events=body.events,
         description=body.description,
         policy=settings.outbound_policy,
+        actor=Actor.of(admin, "api"),
     )
     session.commit()
     return webhooks.endpoint_view(endpoint, with_secret=True)
@@ -231,9 +247,9 @@ def list_webhooks(tenant_id: str, session: SessionDep, _: AdminDep) -> dict[str,
 
 
 @router.delete("/webhooks/{endpoint_id}", responses={**ok(DeletedWebhookEndpoint), **errors(404)})
-def remove_webhook(endpoint_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
+def remove_webhook(endpoint_id: str, session: SessionDep, admin: AdminDep) -> dict[str, Any]:
     """Remove the endpoint and its deliveries, sent or not."""
-    endpoint = webhooks.remove_endpoint(session, endpoint_id)
+    endpoint = webhooks.remove_endpoint(session, endpoint_id, actor=Actor.of(admin, "api"))
     session.commit()
     return {"id": endpoint.id, "object": "webhook_endpoint", "deleted": True}
 
@@ -250,3 +266,27 @@ def webhook_deliveries(
     """The endpoint's delivery log, newest first: each event, its status and attempts."""
     found = webhooks.deliveries(session, endpoint_id, limit)
     return {"object": "list", "data": [webhooks.delivery_view(d) for d in found]}
+
+
+@router.get("/audit", responses=ok(AuditList))
+def audit_log(
+    session: SessionDep,
+    _: AdminDep,
+    tenant_id: str | None = None,
+    action: str | None = None,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> dict[str, Any]:
+    """Admin and cross-tenant acts, newest first: who (the key, its tenant, through the API,
+    the dashboard or the CLI), what, on which object of which tenant, before and after.
+    ``after`` is the last id of the previous page."""
+    found, more = audit.entries(
+        session, limit=limit, after=after, tenant_id=tenant_id, action=action
+    )
+    data = [audit.entry_view(e) for e in found]
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": more,
+        "last_id": data[-1]["id"] if data else None,
+    }

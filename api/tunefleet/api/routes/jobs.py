@@ -19,6 +19,7 @@ from tunefleet.api._deps import (
 )
 from tunefleet.api._openapi import CheckpointList, EventList, JobList, JobObject, errors, ok
 from tunefleet.api._responses import FastJSONResponse
+from tunefleet.platform.audit import Actor
 from tunefleet.platform.db import Checkpoint, Job
 from tunefleet.platform.db.paging import ordered_after
 from tunefleet.platform.errors import NotFound, TuneFleetError
@@ -168,7 +169,7 @@ def _move(session: Session, principal: Principal, job_id: str, action: str) -> d
     """A tenant's request to move its job (``status.request_move``: a compare-and-set, 409 from
     any other state), committed; the job as it is now."""
     job = get_job(session, principal, job_id)
-    request_move(session, job.id, action)
+    request_move(session, job.id, action, Actor.of(principal, "api"))
     session.commit()
     session.refresh(job)
     return job_view(job)

@@ -23,6 +23,7 @@ from tunefleet.api.ui._session import (
     read_session,
     write_session,
 )
+from tunefleet.platform.audit import Actor
 from tunefleet.platform.errors import Conflict, Unauthenticated
 from tunefleet.platform.status import request_move
 from tunefleet.platform.tenants import authenticate
@@ -89,7 +90,7 @@ def job_action(
     is answered 409 with the state machine's reason, on the job's page."""
     job = queries.visible_job(db, viewer.principal, job_id)
     try:
-        request_move(db, job.id, action)
+        request_move(db, job.id, action, Actor.of(viewer.principal, "dashboard"))
         db.commit()
     except Conflict as exc:
         db.rollback()

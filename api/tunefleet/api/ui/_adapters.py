@@ -21,6 +21,7 @@ from tunefleet.api.ui._cluster import fetch_cluster
 from tunefleet.api.ui._render import PREFIX, UiRoute, page
 from tunefleet.api.ui._session import CsrfDep, Viewer, ViewerDep
 from tunefleet.api.ui._usage import UsageView, fetch_usage
+from tunefleet.platform.audit import Actor
 from tunefleet.platform.db import Adapter, Tenant
 from tunefleet.platform.errors import Forbidden, InvalidRequest, TuneFleetError
 from tunefleet.platform.serving import (
@@ -124,10 +125,11 @@ def change_serving(
                 "changing how a model is served needs an admin key: replicas are shared by "
                 "every tenant's models"
             )
+        actor = Actor.of(viewer.principal, "dashboard")
         if change in ("merged", "multiplexed"):
-            adapter = set_serving(session, model, mode=change)
+            adapter = set_serving(session, model, mode=change, actor=actor)
         elif change in ("pin", "unpin"):
-            adapter = set_serving(session, model, pinned=change == "pin")
+            adapter = set_serving(session, model, pinned=change == "pin", actor=actor)
         else:
             raise InvalidRequest(
                 f"{change!r} is not a serving change; use merged, multiplexed, pin or unpin",

@@ -1,8 +1,9 @@
 """The dashboard's admin page (``/ui/admin``, admin keys only): tenants with their quotas
 and active jobs, their API keys; forms to add a tenant, change its quotas, add a key (shown
 once, on the answer to the form, never in a URL) and revoke one. The same platform calls
-and request bounds as the admin REST routes (``routes/admin.py``); each change is logged
-with the admin key that made it."""
+and request bounds as the admin REST routes (``routes/admin.py``); each change is in the
+audit log (``platform.audit``) with the admin key that made it, whose newest entries the
+page lists."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from tunefleet.api._deps import SessionDep
 from tunefleet.api.routes.admin import KeyCreate, TenantCreate, TenantUpdate
 from tunefleet.api.ui._render import PREFIX, UiRoute, page
 from tunefleet.api.ui._session import CsrfDep, Viewer, ViewerDep
+from tunefleet.platform import audit
+from tunefleet.platform.audit import Actor
 from tunefleet.platform.db import ApiKey, Tenant
 from tunefleet.platform.errors import Forbidden, TuneFleetError
 from tunefleet.platform.tenants import (
@@ -34,6 +37,7 @@ from tunefleet.platform.tenants import (
 router = APIRouter(prefix="/ui/admin", route_class=UiRoute, include_in_schema=False)
 log = logging.getLogger(__name__)
 DONE = {"quotas": "Quotas saved.", "revoked": "Key revoked."}
+AUDIT_SHOWN = 50  # the newest audit entries the page lists
 Text = Annotated[str, Form(max_length=200)]
 
 
@@ -50,10 +54,13 @@ def _context(session: Session, viewer: Viewer, **more: Any) -> dict[str, Any]:
     keys: dict[str, list[ApiKey]] = {}
     for key in session.scalars(select(ApiKey).order_by(ApiKey.created_at.desc(), ApiKey.id)):
         keys.setdefault(key.tenant_id, []).append(key)
+    tenants = list(session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.name)))
     return {
         "viewer": viewer,
         "nav": "admin",
-        "tenants": list(session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.name))),
+        "tenants": tenants,
+        "tenant_names": {t.id: t.name for t in tenants},
+        "audit": audit.entries(session, limit=AUDIT_SHOWN)[0],
         "active": active_jobs_by_tenant(session),
         "keys": keys,
         "quotas": QUOTAS,
@@ -111,8 +118,9 @@ def add_tenant(
                 "max_waiting_jobs": max_waiting_jobs,
             }
         )
-        tenant = create_tenant(session, body.name, **body.model_dump(exclude={"name"}))
-        key, secret = create_key(session, tenant.id, name="initial")
+        actor = Actor.of(viewer.principal, "dashboard")
+        tenant = create_tenant(session, body.name, actor=actor, **body.model_dump(exclude={"name"}))
+        key, secret = create_key(session, tenant.id, name="initial", actor=actor)
         session.commit()
     except (ValidationError, TuneFleetError) as exc:
         return _refused(request, session, viewer, exc)
@@ -136,7 +144,12 @@ def change_quotas(
             "max_waiting_jobs": max_waiting_jobs}  # fmt: skip
     try:
         body = TenantUpdate.model_validate({k: v.strip() for k, v in sent.items() if v.strip()})
-        tenant = set_quotas(session, tenant_id, **body.model_dump(exclude_none=True))
+        tenant = set_quotas(
+            session,
+            tenant_id,
+            actor=Actor.of(viewer.principal, "dashboard"),
+            **body.model_dump(exclude_none=True),
+        )
         session.commit()
     except (ValidationError, TuneFleetError) as exc:
         return _refused(request, session, viewer, exc)
@@ -160,7 +173,13 @@ def add_key(
     try:
         body = KeyCreate.model_validate({"name": name.strip(), "admin": admin == "on"})
         tenant = get_tenant(session, tenant_id)
-        key, secret = create_key(session, tenant.id, name=body.name, is_admin=body.admin)
+        key, secret = create_key(
+            session,
+            tenant.id,
+            name=body.name,
+            is_admin=body.admin,
+            actor=Actor.of(viewer.principal, "dashboard"),
+        )
         session.commit()
     except (ValidationError, TuneFleetError) as exc:
         return _refused(request, session, viewer, exc)
@@ -176,7 +195,7 @@ def revoke(
     """Revoke a key; revoking the key of this very session signs it out at its next page."""
     _admin(viewer)
     try:
-        key = revoke_key(session, key_id)
+        key = revoke_key(session, key_id, actor=Actor.of(viewer.principal, "dashboard"))
         session.commit()
     except TuneFleetError as exc:
         return _refused(request, session, viewer, exc)

@@ -266,17 +266,23 @@ def file_page(
 ) -> HTMLResponse:
     f = queries.visible_file(session, viewer.principal, file_id)
     head: list[str] = []
-    more, problem = False, ""
-    try:
-        head, more = queries.file_head(store, f.path)
-    except OSError as exc:  # the stored object is gone or unreadable: say so, show the rest
-        problem = f"the file's content could not be read ({type(exc).__name__})"
+    more, problem, hidden = False, "", f.tenant_id != viewer.principal.tenant_id
+    # Another tenant's content is not shown to admins, as REST's /content refuses it: it is
+    # the tenant's data (often its customers'); the metadata, status and validation errors
+    # on this page are what running the platform needs. Refused rather than audited: an
+    # entry records a read after the fact, and does not keep the data private.
+    if not hidden:
+        try:
+            head, more = queries.file_head(store, f.path)
+        except OSError as exc:  # the stored object is gone or unreadable: say so
+            problem = f"the file's content could not be read ({type(exc).__name__})"
     context = {
         "viewer": viewer,
         "file": f,
         "head": head,
         "more": more,
         "problem": problem,
+        "hidden": hidden,
         "used_by": queries.jobs_using(session, viewer.principal, f.id),
         "tenant_name": queries.tenant_name(session, f.tenant_id),
     }

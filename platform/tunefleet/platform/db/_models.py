@@ -236,3 +236,30 @@ class WebhookDelivery(Base):
     log: Mapped[list[Any]] = mapped_column(JSON, default=list)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
     delivered_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class AuditEntry(Base):
+    """One admin or cross-tenant act (``platform.audit``): who did what to which object,
+    with the object's values before and after. Written in the act's own transaction, so
+    an act is never stored without its entry, nor an entry without its act."""
+
+    __tablename__ = "audit_entries"
+    __table_args__ = (
+        Index("ix_audit_entries_created", "created_ns"),
+        Index("ix_audit_entries_tenant", "tenant_id", "created_ns"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    created_ns: Mapped[int] = mapped_column(BigInteger)
+    # the key that acted (None: the operator's `tunefleet admin` CLI, on the database)
+    actor_key_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    actor_tenant_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    via: Mapped[str] = mapped_column(String(16))  # api, dashboard, cli
+    action: Mapped[str] = mapped_column(String(64))
+    target_type: Mapped[str] = mapped_column(String(32))
+    target_id: Mapped[str] = mapped_column(String(256))
+    # the tenant the target belongs to (no foreign key: the record outlives the tenant)
+    tenant_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
