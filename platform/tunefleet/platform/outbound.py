@@ -42,6 +42,11 @@ class OutboundRefused(ValueError):
     would allow it."""
 
 
+def _name(host: str) -> str:
+    """A host name as compared: lower case, without DNS's trailing dot."""
+    return host.lower().rstrip(".")
+
+
 def _unmapped(ip: IPAddress) -> IPAddress:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
@@ -71,7 +76,7 @@ class OutboundPolicy:
                         f"{SETTING} entry {entry!r} is neither a CIDR such as 10.0.0.0/8 nor "
                         "a host name such as mlflow.internal"
                     ) from None
-                hosts.add(entry.lower().rstrip("."))
+                hosts.add(_name(entry))
         return cls(frozenset(hosts), tuple(networks))
 
     def address_allowed(self, ip: IPAddress) -> bool:
@@ -82,7 +87,7 @@ class OutboundPolicy:
 
     def host_allowed(self, host: str) -> bool:
         """Whether ``host`` (a name) is on the operator's list."""
-        return host.lower().rstrip(".") in self.hosts
+        return _name(host) in self.hosts
 
     def check_url(self, url: str, *, what: str, param: str | None = None) -> SplitResult:
         """``url``'s parts if it is an http(s) URL whose host may be allowed; raises
@@ -104,7 +109,7 @@ class OutboundPolicy:
         try:
             ip = ipaddress.ip_address(host)
         except ValueError:
-            if host.lower().rstrip(".") == "localhost" or host.lower().endswith(".localhost"):
+            if _name(host) == "localhost" or _name(host).endswith(".localhost"):
                 raise self._refused(what, host, "is this machine") from None
             return parts
         if not self.address_allowed(ip):
@@ -173,7 +178,7 @@ _guarded = threading.local()  # .hosts: this thread's guarded hosts -> (policy, 
 def _guarded_getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
     key = host.decode() if isinstance(host, bytes) else host
     hosts: dict[str, tuple[OutboundPolicy, str]] = getattr(_guarded, "hosts", {})
-    entry = hosts.get(str(key).lower().rstrip(".")) if key is not None else None
+    entry = hosts.get(_name(str(key))) if key is not None else None
     infos = _getaddrinfo(host, port, *args, **kwargs)
     if entry is not None:
         policy, what = entry
@@ -194,7 +199,7 @@ def guard_resolution(policy: OutboundPolicy, hosts: dict[str, str]) -> Iterator[
     previous = getattr(_guarded, "hosts", {})
     _guarded.hosts = {
         **previous,
-        **{host.lower().rstrip("."): (policy, what) for host, what in hosts.items()},
+        **{_name(host): (policy, what) for host, what in hosts.items()},
     }
     with _guard_lock:
         _guards += 1
