@@ -69,7 +69,7 @@ test-fast: install $(HELM)  ## no real Ray: platform, API, migrations, layout, t
 ISA_ATEN   ?= avx2
 ISA_ONEDNN ?= AVX2
 ISA_MKL    ?= AVX2
-ISA_TESTS  := tests/workers/test_dpo.py tests/workers/test_loss.py \
+ISA_TESTS  := tests/workers/test_dpo.py tests/workers/test_loss.py tests/workers/test_precision.py \
 	tests/workers/test_packing.py tests/workers/test_rope.py tests/workers/test_multilora.py \
 	tests/workers/test_generate.py tests/platform/test_planner.py
 ISA_ENV    := ATEN_CPU_CAPABILITY=$(ISA_ATEN) ONEDNN_MAX_CPU_ISA=$(ISA_ONEDNN) \

@@ -187,7 +187,8 @@ def main() -> None:
             if child.returncode:
                 raise RuntimeError(f"the TRL run failed:\n{child.stderr[-4000:]}")
             side["trl"].append(json.loads(child.stdout.strip().splitlines()[-1]))
-            options = {"packing": False, "gradient_checkpointing": on}
+            # fp32, as the TRL side trains: the same precision on both sides
+            options = {"packing": False, "gradient_checkpointing": on, "precision": "fp32"}
             side["tunefleet"].append(
                 run_tunefleet(model_path, data, args, options, method=dpo, file_format="preference")
             )

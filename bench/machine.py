@@ -1,5 +1,6 @@
 """The machine a benchmark ran on, for its results: CPU count and model, and whether the
-CPU computes bf16 natively (AVX-512 BF16 or AMX), which changes both speed and numerics."""
+CPU computes bf16 natively for this process (what precision "auto" follows, see
+``tunefleet.workers.train._precision``), which changes both speed and numerics."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ def cpu_name() -> str:
     return "unknown CPU"
 
 
-def native_bf16() -> bool:
-    flags = Path("/proc/cpuinfo").read_text()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+def native_bf16() -> tuple[bool, str]:
+    """Whether this CPU computes bf16 natively, and what says so (PyTorch and oneDNN)."""
+    from tunefleet.workers.train._precision import cpu_bf16
+
+    return cpu_bf16()
 
 
 def describe() -> str:
-    bf16 = "native bf16" if native_bf16() else "no native bf16"
-    return f"{os.cpu_count()} CPUs, {cpu_name()} ({bf16})"
+    return f"{os.cpu_count()} CPUs, {cpu_name()} ({native_bf16()[1]})"

@@ -260,7 +260,7 @@ def predict(case: dict[str, Any]) -> dict[str, Any]:
     )
 
     shape = ModelShape.from_config(shape_of(case))
-    inp = plan_input_from_spec(case_spec(case))  # as the API plans a job
+    inp = plan_input_from_spec(case_spec(case), shape)  # as the API plans a job
     plan = plan_memory(shape, inp)
     trainable, total = parameter_counts(shape, inp)
     return {

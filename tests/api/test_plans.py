@@ -12,6 +12,7 @@ from conftest import TINY, upload_chat
 from conftest import auth as H
 from tunefleet.platform import _defaults as defaults
 from tunefleet.platform.settings import Settings
+from tunefleet.platform.spec import AUTO_PRECISION
 
 
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["all-linear"]])
@@ -173,7 +174,13 @@ def test_auto_hyperparameters_follow_the_training_file_and_say_so(
     events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", headers=H(key_a)).json()
     first = events["data"][-1]
     assert "auto settled n_epochs 3 (300 examples); batch_size 8" in first["message"], first
-    assert first["data"]["auto"].keys() == {"n_epochs", "batch_size", "learning_rate_multiplier"}
+    assert first["data"]["auto"].keys() == {
+        "n_epochs", "batch_size", "learning_rate_multiplier", "precision"
+    }  # fmt: skip
+    # precision: the workers settle it, the plan is for what CPU workers may choose
+    planned = job["tunefleet"]["plan"]["input"]["precision"]
+    assert first["data"]["auto"]["precision"] == f"{AUTO_PRECISION}; planned as {planned}"
+    assert f"; precision auto ({AUTO_PRECISION}; planned as {planned})" in first["message"]
     plan = client.post(
         "/v1/plans", headers=H(key_a), json={"model": TINY, "training_file": big}
     ).json()
@@ -191,7 +198,8 @@ def test_auto_hyperparameters_follow_the_training_file_and_say_so(
         headers=H(key_a),
         json={"model": TINY, "training_file": big,
               "hyperparameters": {"n_epochs": 2, "batch_size": 2,
-                                  "learning_rate_multiplier": 0.5}},
+                                  "learning_rate_multiplier": 0.5},
+              "tunefleet": {"precision": "fp32"}},
     ).json()  # fmt: skip
     assert job["hyperparameters"] == {"n_epochs": 2, "batch_size": 2,
                                       "learning_rate_multiplier": 0.5}  # fmt: skip

@@ -24,11 +24,13 @@ import pytest
 
 from raycluster import free_port
 from tunefleet.platform.models import BUILTIN_MODEL
+from tunefleet.workers.train._precision import cpu_bf16
 
 pytestmark = pytest.mark.slow
 
 QUESTIONS = 3  # asked through the server by the demo (the efficacy test asks all)
 OPENING_TOKENS = 8
+NATIVE_BF16 = cpu_bf16()[0]  # what precision "auto" trains the demo in here
 
 
 def pirate(answer: str) -> bool:
@@ -65,6 +67,8 @@ def test_the_demo_trains_and_compares_answers(demo: Any) -> None:
     job = re.search(rf"^Created (ftjob-\S+) on {BUILTIN_MODEL}$", out, re.M)
     assert job, out
     assert "[info] Training 30 steps of lora" in out  # the live progress's messages
+    # in the precision "auto" settles on this CPU, with its reason
+    assert f" in {'bf16' if NATIVE_BF16 else 'fp32'} (auto: this CPU " in out, out
     tuned = f"ft:{BUILTIN_MODEL}:demo:pirate:{job.group(1)}"
     assert f"Held-out questions, base {BUILTIN_MODEL} vs {tuned}:" in out
     answers = re.findall(r"^Q: (.+)\n  base : (.*)\n  tuned: (.*)$", out, re.M)
@@ -98,6 +102,8 @@ def test_the_demo_adapter_teaches_the_base_model_a_new_behaviour(demo: Any, smol
     tuned = PeftModel.from_pretrained(smol_base.model, adapter).eval()
     try:
         ids = greedy_ids(tuned, smol_base.tokenizer, heldout, OPENING_TOKENS)
+        if NATIVE_BF16:  # and in bf16, as precision auto computes here
+            _same_answers_in_bf16(tuned, smol_base.tokenizer, heldout, ids)
     finally:
         tuned.unload()  # the shared base model, as it was
     after = smol_base.tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -107,3 +113,36 @@ def test_the_demo_adapter_teaches_the_base_model_a_new_behaviour(demo: Any, smol
     print(f"opens like a pirate: base {rate_before:.0%}, tuned {rate_after:.0%}")
     assert rate_before < 0.10, before
     assert rate_after > 0.80, list(zip(heldout, after, strict=True))
+
+
+def _same_answers_in_bf16(model: Any, tokenizer: Any, questions: list[str], fp32: Any) -> None:
+    """Greedy answers under bf16 autocast are fp32's, except where fp32 itself nearly
+    ties: at the first token where an answer parts, fp32's margin between its token and
+    bf16's is within the bf16 rounding of the logits there (the largest logit difference
+    between the two at that position, twice: each of the two logits may move by it). At
+    most a quarter of the answers may part, and the tuned behaviour holds in bf16."""
+    import torch
+
+    from smolbase import greedy_ids
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = greedy_ids(model, tokenizer, questions, OPENING_TOKENS)
+    parted = [i for i in range(len(questions)) if not torch.equal(bf16[i], fp32[i])]
+    for i in parted:
+        at = int((bf16[i] != fp32[i]).nonzero()[0])
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": questions[i]}], tokenize=True,
+            add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        )["input_ids"]  # fmt: skip
+        ids = torch.cat([prompt[0], fp32[i][:at]])[None]
+        with torch.no_grad():
+            exact = model(input_ids=ids).logits[0, -1].float()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                rounded = model(input_ids=ids).logits[0, -1].float()
+        margin = exact[fp32[i][at]] - exact[bf16[i][at]]
+        noise = (rounded - exact).abs().max()
+        assert 0 <= margin <= 2 * noise, (questions[i], at, float(margin), float(noise))
+    print(f"bf16 greedy answers: {len(questions) - len(parted)}/{len(questions)} as in fp32")
+    assert len(parted) <= len(questions) // 4, parted
+    answers = tokenizer.batch_decode(bf16, skip_special_tokens=True)
+    assert sum(map(pirate, answers)) / len(questions) > 0.80, answers

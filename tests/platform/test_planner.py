@@ -15,6 +15,7 @@ from tunefleet.platform.planner import (
     advise,
     lora_params,
     parameter_counts,
+    plan_input_from_spec,
     plan_memory,
     resolve_spec,
 )
@@ -205,7 +206,8 @@ def test_what_the_planner_settles_is_a_spec_the_spec_accepts(method: str) -> Non
     cannot shard, the chart's step up to ZeRO-3 gave a stored spec the spec itself refuses
     (and the controller could not read). Such a method stays on DDP, and the job that does
     not fit there is refused at creation, saying so."""
-    gpus = {"resources": {"num_workers": 8, "gpus_per_worker": 1}}
+    # a 7B base in fp32 (28 GB): more than one 24 GiB GPU holds, whatever the strategy
+    gpus = {"resources": {"num_workers": 8, "gpus_per_worker": 1}, "precision": "fp32"}
     with pytest.raises(InvalidRequest, match=r"ddp: .* does not fit") as refused:
         resolve_spec(
             LLAMA2_7B_CONFIG, _spec(method=method, **gpus), device_bytes=24 * GiB, host_bytes=0
@@ -283,3 +285,23 @@ def test_dpo_plans_both_sequences_of_a_pair_and_says_where_its_reference_comes_f
         assert "each pair's 2 sequences in one forward pass" in notes
         said = {"adapter_disabled": "adapter switched off", "precomputed": "precomputed once"}
         assert said[reference] in notes and "copy of the weights" in notes
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_auto_precision_is_planned_for_what_the_workers_may_choose(method: str) -> None:
+    """GPU workers choose bf16 or fp16 (two bytes either way); CPU workers bf16 or fp32
+    by a CPU the API cannot see, so the plan is the larger of the two (for LoRA, a base
+    stored in four bytes; for full fine-tuning, fp32 activations against fp32 masters
+    plus autocast's 16-bit copies)."""
+    gpu = plan_input_from_spec(_spec(method=method, resources={"gpus_per_worker": 1}), LLAMA2_7B)
+    assert gpu.precision == "bf16"
+    cpu = plan_input_from_spec(_spec(method=method), LLAMA2_7B)
+    totals = {
+        p: plan_memory(
+            LLAMA2_7B, plan_input_from_spec(_spec(method=method, precision=p), LLAMA2_7B)
+        ).total
+        for p in ("fp32", "bf16")
+    }
+    assert cpu.precision == max(totals, key=totals.__getitem__)
+    named = plan_input_from_spec(_spec(method=method, precision="fp16"), LLAMA2_7B)
+    assert named.precision == "fp16"

@@ -43,10 +43,14 @@ from tunefleet.platform.tenants import authenticate, create_key, create_tenant
 from tunefleet.workers.backend import RayBackend
 from tunefleet.workers.controller import Controller
 from tunefleet.workers.train._metrics import native_cpu_dtype
+from tunefleet.workers.train._precision import cpu_bf16
 
 pytestmark = pytest.mark.slow
 
 BIASED = "tiny-llama-bias"
+# what precision "auto" (the default) settles on this machine's CPU workers
+AUTO_HERE = "bf16" if cpu_bf16()[0] else "fp32"
+
 CASES = {  # method -> (learning-rate multiplier, more options)
     "lora": (
         20,
@@ -324,8 +328,10 @@ def test_method_trains_and_saves(
     if method == "full":
         assert start.data["trainable_parameters"] == start.data["total_parameters"]
     losses = [e.data["train_loss"] for e in events if e.type == "metrics"]
+    # what the run trained in: the job's precision, or what "auto" settled on this CPU
+    assert start.data["precision"] == options.get("precision", AUTO_HERE)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-        options.get("precision", "fp32"), torch.float32
+        start.data["precision"], torch.float32
     )
     # a CPU that emulates bf16/fp16 (~1 GFLOP/s, shape- and value-dependent) has no peak
     native = native_cpu_dtype(dtype)

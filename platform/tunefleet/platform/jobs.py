@@ -37,6 +37,7 @@ from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.outbound import PUBLIC_ONLY, OutboundPolicy, OutboundRefused
 from tunefleet.platform.planner import PlanDevice, chart_of_plan, plan_for_spec, resolve_spec
 from tunefleet.platform.spec import (
+    AUTO_PRECISION,
     BASE_LEARNING_RATE,
     DpoOptions,
     Integration,
@@ -504,6 +505,11 @@ def create_job(
         spec, plan = resolve_spec(
             config, spec, device_bytes=device.memory_bytes, host_bytes=device.host_bytes
         )
+    auto, precision = dict(settled.reasons), ""
+    if spec.tunefleet.precision == "auto":
+        planned = f"; planned as {plan['input']['precision']}" if plan else ""
+        auto["precision"] = AUTO_PRECISION + planned
+        precision = f"precision auto ({auto['precision']})"
     now_ns = time.time_ns()
     now = now_ns // 1_000_000_000
     job = NewJob(
@@ -533,8 +539,8 @@ def create_job(
         level="info",
         type="message",
         message=f"Created fine-tuning job: {job_id}"
-        + (f"; {said}" if (said := settled.describe()) else ""),
-        data={"auto": settled.reasons} if settled.reasons else None,
+        + "".join(f"; {said}" for said in (settled.describe(), precision) if said),
+        data={"auto": auto} if auto else None,
     )
     files = {"training_file": req.training_file}
     if req.validation_file:

@@ -507,19 +507,21 @@ class PlanDevice:
         return cls(memory_gb * GiB, host_memory_gb * GiB)
 
 
-def plan_input_from_spec(spec: JobSpec) -> PlanInput:
-    """What the training loop will really run for ``spec``: its method and strategy (DDP
-    while it is still ``auto``) across workers, examples up to max_seq_len long, the
-    micro-batch the spec sets (or the global batch split evenly); fp8 is planned as bf16."""
+def plan_input_from_spec(spec: JobSpec, shape: ModelShape) -> PlanInput:
+    """What the training loop will really run for ``spec`` on a model of ``shape``: its
+    method and strategy (DDP while it is still ``auto``) across workers, examples up to
+    max_seq_len long, the micro-batch the spec sets (or the global batch split evenly).
+    fp8 is planned as bf16. Precision ``auto`` is the workers' choice at start (``auto
+    precision`` in docs/training.md): GPU workers choose bf16 or fp16 (the same bytes);
+    CPU workers bf16 or fp32, by their CPU, which the API cannot see, so it is planned as
+    whichever of the two needs more memory."""
     opts = spec.tunefleet
     workers = opts.resources.num_workers
     micro = opts.micro_batch_size or max(1, math.ceil(spec.hyperparameters.batch_size / workers))
-    precision: Precision = "bf16" if opts.precision == "fp8" else opts.precision
-    return PlanInput(
+    inp = PlanInput(
         method=opts.method,
         lora_r=opts.lora.r,
         lora_targets=tuple(opts.lora.target_modules),
-        precision=precision,
         optimizer="adamw" if opts.optimizer == "adamw" else "adamw_8bit",
         strategy=opts.run_strategy,
         gradient_checkpointing=opts.run_checkpointing,
@@ -534,6 +536,12 @@ def plan_input_from_spec(spec: JobSpec) -> PlanInput:
         sequences_per_example=2 if spec.dpo else 1,
         reference=spec.dpo.reference if spec.dpo else "none",
     )
+    if opts.precision in ("bf16", "fp16", "fp32"):
+        return replace(inp, precision=opts.precision)
+    if opts.precision == "fp8" or opts.resources.gpus_per_worker > 0:
+        return replace(inp, precision="bf16")
+    fp32, bf16 = replace(inp, precision="fp32"), replace(inp, precision="bf16")
+    return fp32 if plan_memory(shape, fp32).total >= plan_memory(shape, bf16).total else bf16
 
 
 # Methods that train only virtual tokens outside the decoder layers FSDP shards: DDP only
@@ -581,8 +589,9 @@ def _resolve_spec(
     strategy: Strategy | None = None if opts.strategy == "auto" else opts.strategy
     if strategy is None and opts.method in UNSHARDABLE_METHODS:
         strategy = "ddp"  # the chart may not step up to ZeRO for these
+    shape = ModelShape.from_config(config)
     advice = advise(
-        ModelShape.from_config(config), plan_input_from_spec(spec), device_bytes,
+        shape, plan_input_from_spec(spec, shape), device_bytes,
         global_batch=spec.hyperparameters.batch_size, host_bytes=host_bytes,
         strategy=strategy,
     )  # fmt: skip
@@ -629,7 +638,7 @@ def plan_for_spec(
     """The plan stored on a job and returned by POST /v1/plans: the breakdown of what
     the spec runs, and the chart's advice for the device."""
     shape = ModelShape.from_config(config)
-    inp = plan_input_from_spec(spec)
+    inp = plan_input_from_spec(spec, shape)
     trainable, total = parameter_counts(shape, inp)
     advice = advise(
         shape,

@@ -188,6 +188,15 @@ class RopeScaling(_Frozen):
     )
 
 
+# What precision "auto" becomes (the workers settle it at start: only they see their
+# device); said in a job's first event and in docs/training.md.
+AUTO_PRECISION = (
+    "the workers choose at start: bf16 where their device computes it natively (GPUs of "
+    "compute capability 8.0+, CPUs with AMX or AVX512-BF16), fp16 on older GPUs, fp32 "
+    "elsewhere"
+)
+
+
 class TuneFleetOptions(_Frozen):
     """TuneFleet's own controls, sent under ``tunefleet`` in the create body."""
 
@@ -207,10 +216,13 @@ class TuneFleetOptions(_Frozen):
     adapter: BottleneckOptions = Field(
         default_factory=BottleneckOptions, description="Bottleneck adapter size."
     )
-    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field(
-        default="fp32",
-        description="fp32; bf16 autocast (fp32 master weights and optimizer states; a "
-        "frozen base is stored in bf16); fp16 autocast with dynamic loss scaling; fp8 "
+    precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = Field(
+        default="auto",
+        description="'auto': the workers choose at start what their device computes "
+        "natively: bf16 on GPUs of compute capability 8.0+ and on CPUs with AMX or "
+        "AVX512-BF16, fp16 on older GPUs, fp32 elsewhere (the first training event says "
+        "which, and why). fp32; bf16 autocast (fp32 master weights and optimizer states; "
+        "a frozen base is stored in bf16); fp16 autocast with dynamic loss scaling; fp8 "
         "(GPUs of compute capability 8.9+ only).",
     )
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field(

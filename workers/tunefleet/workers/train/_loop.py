@@ -42,6 +42,7 @@ from tunefleet.workers.train import _sharding as sharding
 from tunefleet.workers.train._dpo import Reference, collate_pairs, dpo_loss, sequence_logps
 from tunefleet.workers.train._loss import LabelledLogits, correct_tokens, mean_loss
 from tunefleet.workers.train._methods import build_model, load_weights
+from tunefleet.workers.train._precision import settle as settle_precision
 from tunefleet.workers.train._trackers import Trackers, job_config
 from tunefleet.workers.train.data import (
     collate,
@@ -245,6 +246,13 @@ class Worker:
         self.reporter = ChannelReporter(self.run_id)
         self.trackers: Trackers | None = None  # the job's integrations (the chief's, once set up)
         self.device = ray.train.torch.get_device()
+        # precision "auto" settled on this run's devices (the first event says why)
+        precision, self.precision_why = settle_precision(
+            spec.tunefleet.precision, self.device, self.world
+        )
+        if precision != spec.tunefleet.precision:
+            opts = spec.tunefleet.model_copy(update={"precision": precision})
+            self.spec = spec = spec.model_copy(update={"tunefleet": opts})
 
         # the driver's store; this node's cache (its own settings say where that is)
         store = open_store(**config["store"], cache_dir=get_settings().resolved_artifact_cache)
@@ -525,7 +533,8 @@ class Worker:
             message=(
                 f"Training {self.total_steps} steps of {opts.method}{objective}"
                 f"{started_from} in "
-                f"{opts.precision} on {self.world} worker(s)"
+                f"{opts.precision}{f' ({self.precision_why})' if self.precision_why else ''} "
+                f"on {self.world} worker(s)"
                 f"{f' sharded ({self.strategy})' if self.sharded else ''}"
                 f"{', compiled' if opts.compile else ''} ({self.micro} examples x "
                 f"{self.accum} micro-batch(es) per worker per step"
@@ -546,6 +555,7 @@ class Worker:
                 "flops_per_token": self.flops_per_token,
                 "output_layer_flops_per_token": self.head_flops,  # at labelled positions
                 "method": opts.method,
+                "precision": opts.precision,
                 "objective": self.spec.objective,
                 "nodes": nodes,
                 "strategy": self.strategy if self.sharded or self.world > 1 else "single",

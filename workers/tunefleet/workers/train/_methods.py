@@ -101,8 +101,10 @@ def load_base(spec: JobSpec, model_path: str) -> Any:
             compute_dtype=COMPUTE_DTYPES[q.compute_dtype],
             **kwargs,
         )
-    if opts.method == "full" or opts.precision in ("fp32", "fp8"):
-        kwargs["dtype"] = torch.float32  # full fine-tuning keeps fp32 master weights
+    # full fine-tuning keeps fp32 master weights; "auto" is settled by a run's workers
+    # before they build (_precision.settle): one built outside a run is fp32
+    if opts.method == "full" or opts.precision in ("auto", "fp32", "fp8"):
+        kwargs["dtype"] = torch.float32
     else:
         kwargs["dtype"] = DTYPES[opts.precision]  # a frozen base in 16 bits
     return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)

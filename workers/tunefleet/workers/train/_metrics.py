@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tunefleet.workers.train import _probe as probe
+from tunefleet.workers.train._precision import cpu_bf16
 
 # Dense bf16/fp16 tensor-core peak FLOP/s of common training GPUs (vendor data sheets,
 # without sparsity), matched against torch.cuda.get_device_name().
@@ -77,10 +78,10 @@ def output_layer_flops(total_params: int, trainable_params: int, config: Any) ->
 
 
 def native_cpu_dtype(dtype: torch.dtype) -> bool:
-    """Whether this CPU computes ``dtype`` natively (fp32 always; bf16 with AVX512-BF16 or
-    AMX; fp16 with AMX-FP16); without, torch emulates it at a few GFLOP/s."""
+    """Whether this CPU computes ``dtype`` natively (fp32 always; bf16 as ``cpu_bf16``
+    says; fp16 with AMX-FP16); without, torch emulates it at a few GFLOP/s."""
     if dtype == torch.bfloat16:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        return cpu_bf16()[0]
     if dtype == torch.float16:
         return bool(torch.cpu._is_amx_fp16_supported())
     return True
