@@ -16,8 +16,11 @@ fine-tuning), takes one AdamW step on a batch of random tokens, and measures
 The planner's prediction for the same case comes from `tunefleet.platform.planner`.
 
     .venv/bin/python bench/planner_accuracy.py        # writes bench/results/planner_accuracy.json
-On a GPU (not this machine) the same cases would compare against
-torch.cuda.max_memory_allocated; that run is still to be written.
+
+On a GPU, ``--cuda`` (run by bench/gpu_check.py) measures the same cases with the CUDA
+allocator instead: *peak* is ``torch.cuda.max_memory_allocated`` over the step (reset
+just before it) less what was allocated before the model was built, and it prints the
+rows. The allocator's own count leaves out the CUDA context and cuBLAS's workspace.
 """
 
 from __future__ import annotations
@@ -174,8 +177,25 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark
     peak = step() - _library_kib(tmp)
 
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
+    trainable = sum(p.numel() for p in params)
+    # a 4-bit tensor packs two values per stored byte
+    total = sum(
+        p.numel() * (2 if type(p).__name__ == "Params4bit" else 1) for p in model.parameters()
+    )
+    return {
+        "states_bytes": _state_bytes(model, params, optimizer),
+        "peak_bytes": (peak - base) * 1024,
+        "trainable": trainable,
+        "total": total,
+    }
+
+
+def _state_bytes(model: Any, params: list[Any], optimizer: Any) -> int:
+    """Bytes of the parameters (4-bit ones with their quantization constants), gradients
+    and optimizer states, counted exactly."""
+
+    def nbytes(t: Any) -> int:
+        return int(t.numel() * t.element_size())
 
     n_bytes = sum(nbytes(p) for p in model.parameters())
     # 4-bit weights keep their quantization constants beside the packed data
@@ -190,19 +210,73 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
         nbytes(t)
         for st in optimizer.state.values()
         for t in st.values()
-        if isinstance(t, torch.Tensor)
+        if hasattr(t, "element_size")
     )
-    trainable = sum(p.numel() for p in params)
-    # a 4-bit tensor packs two values per stored byte
-    total = sum(
-        p.numel() * (2 if type(p).__name__ == "Params4bit" else 1) for p in model.parameters()
-    )
-    return {
-        "states_bytes": n_bytes + g_bytes + o_bytes,
-        "peak_bytes": (peak - base) * 1024,
-        "trainable": trainable,
-        "total": total,
-    }
+    return n_bytes + g_bytes + o_bytes
+
+
+def measure_cuda(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case's step on the GPU, one after another in this process (the allocator's peak
+    is reset for each), against the planner's prediction."""
+    import gc
+
+    import torch
+
+    rows = []
+    for case in cases:
+        gc.collect()
+        torch.cuda.empty_cache()
+        measured = _measure_cuda(case)
+        predicted = predict(case)
+        rows.append(
+            {
+                "case": case,
+                "measured": measured,
+                "predicted": predicted,
+                "states_error": predicted["states_bytes"] / measured["states_bytes"] - 1,
+                "peak_error": predicted["peak_bytes"] / measured["peak_bytes"] - 1,
+            }
+        )
+    return rows
+
+
+def _measure_cuda(case: dict[str, Any]) -> dict[str, Any]:
+    """One real step of ``case`` on the GPU: states counted as ``measure`` counts them,
+    the peak from the CUDA allocator less what it held before the model was built."""
+    import tempfile
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tunefleet.workers.train._loop import make_optimizer, precision_context
+    from tunefleet.workers.train._methods import build_model
+
+    spec = case_spec(case)
+    base = torch.cuda.memory_allocated()
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        config = LlamaConfig(**shape_of(case), attn_implementation="sdpa")
+        LlamaForCausalLM(config).save_pretrained(tmp)
+        model = build_model(spec, tmp).model.to("cuda")
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(spec, params)
+    ids = torch.randint(0, SHAPE["vocab_size"], (case["batch"], case["seq"]), device="cuda")
+
+    def step() -> None:
+        with precision_context(spec, "cuda"):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.float().backward()
+        optimizer.step()
+
+    step()  # warm-up: the optimizer's states exist afterwards
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return {"states_bytes": _state_bytes(model, params, optimizer), "peak_bytes": peak}
 
 
 def measure_each(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -316,7 +390,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--measure":
+    if sys.argv[1:] == ["--cuda"]:
+        print(json.dumps(measure_cuda(CASES)))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--measure":
         print(json.dumps(measure_each(json.loads(sys.argv[2]))))
     else:
         main()

@@ -56,6 +56,12 @@ from tunefleet.workers.serve._generate import Sampling  # noqa: E402
 from tunefleet.workers.serve._multilora import MultiLoraModel  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Where the served base lives: the CPU in fp32 here; bench/gpu_check.py sets a GPU and bf16.
+PLACE: dict[str, Any] = {"device": "cpu", "dtype": torch.float32}
+
+
+def serving_base(model_path: Path) -> Any:
+    return load_serving_base(model_path).to(**PLACE)
 
 
 def make_prompts(tokenizer: Any, n: int) -> list[list[int]]:
@@ -91,7 +97,7 @@ def run_tunefleet(
     new: int,
     tokenizer: Any,
 ) -> float:
-    lora = MultiLoraModel(load_serving_base(model_path), max_adapters=max(n_adapters, 1))
+    lora = MultiLoraModel(serving_base(model_path), max_adapters=max(n_adapters, 1))
     cache = AdapterCache(lora, locate=lambda a: folder / a)
     engine = BatchEngine(lora, set(), max_batch_size=len(prompts))
     slots = [cache.acquire(f"ad{i % n_adapters}", hold=False) for i in range(len(prompts))]
@@ -111,9 +117,7 @@ def run_merged(
 ) -> float:
     from peft import PeftModel
 
-    merged = PeftModel.from_pretrained(
-        load_serving_base(model_path), folder / "ad0"
-    ).merge_and_unload()
+    merged = PeftModel.from_pretrained(serving_base(model_path), folder / "ad0").merge_and_unload()
     engine = BatchEngine(MultiLoraModel(merged, max_adapters=1), set(), max_batch_size=len(prompts))
     sampling = Sampling(max_tokens=new, temperature=0)
     generate_all(engine, tokenizer, [(prompts[0], Sampling(2, 0), 0)])
@@ -125,9 +129,7 @@ def run_merged(
 def _peft_with(model_path: Path, folder: Path, n_adapters: int) -> Any:
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(
-        load_serving_base(model_path), folder / "ad0", adapter_name="ad0"
-    )
+    model = PeftModel.from_pretrained(serving_base(model_path), folder / "ad0", adapter_name="ad0")
     for i in range(1, n_adapters):
         model.load_adapter(folder / f"ad{i}", adapter_name=f"ad{i}")
     return model.eval()
@@ -135,8 +137,8 @@ def _peft_with(model_path: Path, folder: Path, n_adapters: int) -> Any:
 
 def _generate(model: Any, batch: list[list[int]], new: int, pad: int, **kwargs: Any) -> None:
     width = max(len(p) for p in batch)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=ids.device)
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids,
@@ -172,7 +174,7 @@ def run_peft_mixed(
 
 
 def cold_loads(model_path: Path, folder: Path, n: int) -> list[float]:
-    lora = MultiLoraModel(load_serving_base(model_path), max_adapters=n)
+    lora = MultiLoraModel(serving_base(model_path), max_adapters=n)
     cache = AdapterCache(lora, locate=lambda a: folder / a)
     cache.acquire("ad0", hold=False)  # first load also wraps the layers; not a cold load
     times = []

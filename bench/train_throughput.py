@@ -291,6 +291,8 @@ def run_tunefleet(
         "reported_mfu": [m["mfu"] for m in timed],
         "reported_peak_flops": start.data["peak_flops"],
         "peak_memory_bytes": max(m["peak_memory_bytes"] for m in steps),
+        "first_loss": steps[0]["train_loss"],
+        "last_loss": steps[-1]["train_loss"],
         "first_event": start.message,
     }
 

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-RAY = str(Path(sys.executable).parent / "ray")
+# Ray's CLI beside this interpreter, else its module (Ray installed with pip --target, as
+# bench/gpu_check.py --site does, has no script for this interpreter)
+_SCRIPT = Path(sys.executable).parent / "ray"
+RAY = (str(_SCRIPT),) if _SCRIPT.exists() else (sys.executable, "-m", "ray.scripts.scripts")
 
 
 def free_port() -> int:
@@ -127,8 +130,13 @@ def ray_cluster(
 
     The auth mode and token come from the environment (tests/conftest.py sets a token of
     the session's own), so this process's Ray clients and the cluster agree."""
+    from ray._private.utils import get_dashboard_dependency_error
+
     temp_dir = Path(tempfile.mkdtemp(prefix="r", dir=os.environ.get("RAY_TMPDIR")))
     port, dashboard, agent = free_port(), free_port(), free_port()
+    # Ray without its dashboard's packages (not ray[default], as bench/gpu_check.py --site
+    # installs it) refuses --include-dashboard: such a cluster has no Jobs API
+    with_dashboard = get_dashboard_dependency_error() is None
     metrics = free_port()
     log = temp_dir / "ray-start.log"
     autoscaling: list[str] = []
@@ -141,12 +149,17 @@ def ray_cluster(
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [
-                *(RAY, "start", "--head", "--block", "--disable-usage-stats"),
+                *RAY,
+                "start",
+                "--head",
+                "--block",
+                "--disable-usage-stats",
                 *("--num-cpus", str(num_cpus)),  # GPUs: what Ray detects
                 *(("--resources", resources) if resources else ()),
                 *("--node-ip-address", "127.0.0.1", "--port", str(port)),
                 *("--temp-dir", str(temp_dir)),
-                *("--include-dashboard", "true", "--dashboard-host", "127.0.0.1"),
+                *("--include-dashboard", str(with_dashboard).lower()),
+                *("--dashboard-host", "127.0.0.1"),
                 *("--dashboard-port", str(dashboard)),
                 # every port of its own: a default one held by another Ray on this machine
                 # (52365, the agent's) leaves the Jobs API answering "no available agent"
@@ -161,10 +174,10 @@ def ray_cluster(
             start_new_session=True,  # its own process group: stopped by that group alone
         )
     try:
-        _wait_listening([port, dashboard, agent], proc, log)
+        _wait_listening([port, dashboard, agent] if with_dashboard else [port], proc, log)
         yield RayCluster(
             address=f"127.0.0.1:{port}",
-            dashboard=f"http://127.0.0.1:{dashboard}",
+            dashboard=f"http://127.0.0.1:{dashboard}" if with_dashboard else "",
             metrics_port=metrics,
             temp_dir=temp_dir,
             pid=proc.pid,
@@ -230,7 +243,11 @@ def ray_node(head: RayCluster, num_cpus: int, resources: str = "") -> Iterator[i
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [
-                *(RAY, "start", "--address", head.address, "--block"),
+                *RAY,
+                "start",
+                "--address",
+                head.address,
+                "--block",
                 *("--num-cpus", str(num_cpus)),
                 *(("--resources", resources) if resources else ()),
                 *("--node-ip-address", "127.0.0.1"),

@@ -84,6 +84,7 @@ class BatchEngine:
         self.lora = lora
         self.grammars = grammars
         self.model: Any = lora.model
+        self.device = next(self.model.parameters()).device  # the inputs go where it is
         self.eos = eos_ids
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
@@ -218,6 +219,7 @@ class BatchEngine:
         for i, r in enumerate(new):
             ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
             mask[i, width - len(r.prompt) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = BatchCache()
         logits = self._forward(new, ids, mask, positions, cache)
@@ -241,8 +243,8 @@ class BatchEngine:
     def _decode(self) -> None:
         assert self.cache is not None and self.mask is not None
         rows = self.active
-        ids = torch.tensor([[r.last] for r in rows])
-        positions = torch.tensor([[r.length] for r in rows])
+        ids = torch.tensor([[r.last] for r in rows], device=self.device)
+        positions = torch.tensor([[r.length] for r in rows], device=self.device)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
         logits = self._forward(rows, ids, self.mask, positions, self.cache)
         for r in rows:
@@ -257,6 +259,8 @@ class BatchEngine:
         if not live:
             return
         scores = logits.float()
+        if any(not rows[i].sampling.plain_greedy for i in live):
+            scores = scores.cpu()  # penalties, biases, grammars and sampling: on the CPU
         asked = [i for i in live if rows[i].sampling.logprobs is not None]
         logprobs = torch.log_softmax(scores[asked], -1) if asked else None
         adjusted = [i for i in live if rows[i].sampling.adjusts]
@@ -326,7 +330,7 @@ class BatchEngine:
         if not keep or self.cache is None or self.mask is None:
             self.active, self.cache, self.mask = [], None, None
             return
-        index = torch.tensor(keep)
+        index = torch.tensor(keep, device=self.device)
         self.mask = self.mask.index_select(0, index)
         # columns that are padding in every remaining row
         first_real = int((self.mask.cumsum(-1) == 0).sum(-1).min())

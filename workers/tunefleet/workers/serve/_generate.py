@@ -34,6 +34,13 @@ class Sampling:
             self.presence_penalty or self.frequency_penalty or self.logit_bias or self.grammar
         )
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy, with nothing but the argmax read from the logits (no adjustment, no
+        log-probabilities): the one case a GPU's logits need not come to the CPU for."""
+        greedy = self.temperature == 0 or self.top_p == 0
+        return greedy and not self.adjusts and self.logprobs is None
+
 
 @dataclass(frozen=True)
 class TokenLogprob:

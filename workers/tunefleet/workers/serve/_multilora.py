@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ class _Rows:
     """Which slot each row of the batch being computed uses (set by the engine), and the
     gather indices derived from it, computed once per batch and shared by every layer."""
 
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # the model's
     slots: torch.Tensor | None = None  # LongTensor [batch]
     uniform: int | None = None  # the one slot of every row, when they share it
     _bags: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -47,7 +49,7 @@ class _Rows:
         if slots is None:
             self.slots, self.uniform = None, None
             return
-        self.slots = torch.tensor(slots, dtype=torch.long)
+        self.slots = torch.tensor(slots, dtype=torch.long, device=self.device)
         first = slots[0]
         self.uniform = first if all(s == first for s in slots) else None
 
@@ -56,8 +58,9 @@ class _Rows:
         ``slot_b * width ... slot_b * width + width - 1`` of a ``[slots * width, n]`` table."""
         if width not in self._bags:
             assert self.slots is not None
-            rows = (self.slots[:, None] * width + torch.arange(width)).reshape(-1)
-            offsets = torch.arange(len(self.slots)) * width
+            arange = partial(torch.arange, device=self.slots.device)
+            rows = (self.slots[:, None] * width + arange(width)).reshape(-1)
+            offsets = arange(len(self.slots)) * width
             self._bags[width] = (rows, offsets)
         return self._bags[width]
 
@@ -73,16 +76,17 @@ class BatchedLoraLinear(nn.Module):
         self.rows = rows
         self.in_features: int = linear.in_features
         self.out_features: int = linear.out_features
-        self.A = torch.zeros(slots, self.in_features, 0)
-        self.B = torch.zeros(slots, 0, self.out_features)
+        zeros = partial(torch.zeros, device=rows.device)  # fp32 factors, on the model's device
+        self.A = zeros(slots, self.in_features, 0)
+        self.B = zeros(slots, 0, self.out_features)
 
     def resize(self, slots: int, rank: int) -> None:
         """Grow the stacks to ``slots`` x ``rank`` (zero padding keeps every product)."""
         old_s, old_r = self.A.shape[0], self.A.shape[2]
         if (slots, rank) == (old_s, old_r):
             return
-        a = torch.zeros(slots, self.in_features, rank)
-        b = torch.zeros(slots, rank, self.out_features)
+        a = self.A.new_zeros(slots, self.in_features, rank)
+        b = self.B.new_zeros(slots, rank, self.out_features)
         keep_s, keep_r = min(slots, old_s), min(rank, old_r)
         a[:keep_s, :, :keep_r] = self.A[:keep_s, :, :keep_r]
         b[:keep_s, :keep_r] = self.B[:keep_s, :keep_r]
@@ -106,7 +110,7 @@ class BatchedLoraLinear(nn.Module):
             return y
         if rows.uniform is not None:
             s = rows.uniform
-            return y + (x.to(self.A.dtype) @ self.A[s]) @ self.B[s]
+            return y + ((x.to(self.A.dtype) @ self.A[s]) @ self.B[s]).to(y.dtype)
         batch, width = rows.slots.shape[0], x.shape[-1]
         flat = x.reshape(batch, -1, width).to(self.A.dtype)
         if flat.shape[1] == 1:
@@ -139,7 +143,7 @@ class MultiLoraModel:
     def __init__(self, model: nn.Module, *, max_adapters: int, pack_weights: bool = True):
         self.model = model
         self.max_adapters = max_adapters
-        self.rows = _Rows()
+        self.rows = _Rows(device=next(model.parameters()).device)
         self.layers: dict[str, BatchedLoraLinear] = {}
         self.rank = 0
         self.slots = 1 + min(max_adapters, 4)  # grows by doubling up to max_adapters + 1

@@ -58,7 +58,7 @@ def save(
     _flatten(opt["state"], "", tensors, scalars)
     for rank, states in enumerate(rng):
         tensors.update({f"{name}/{rank}": value for name, value in states.items()})
-    save_file(tensors, str(folder / "optimizer.safetensors"))
+    save_file(_unshared(tensors), str(folder / "optimizer.safetensors"))
     state = {
         "param_groups": opt["param_groups"],
         "optimizer_scalars": scalars,
@@ -68,6 +68,19 @@ def save(
         **extra,
     }
     (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with a copy of each that shares memory with one before it: safetensors
+    refuses shared tensors, and bitsandbytes' 8-bit optimizers share their quantization
+    maps (``qmap1``, ``qmap2``) across every parameter's state."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if ptr and ptr in seen else tensor
+        seen.add(ptr)
+    return out
 
 
 def rng_states(device: torch.device, world: int) -> list[dict[str, torch.Tensor]]:
