@@ -93,15 +93,17 @@ def token_clock(model: Any, *, grad_only: bool = False) -> tuple[dict[str, int],
         if torch.is_grad_enabled() or not grad_only:
             seen["tokens"] += int(kwargs["attention_mask"].sum())
             seen["padded"] += kwargs["attention_mask"].numel()
-            # what the forward computes in, read inside the run: autocast's dtype, or fp32
-            autocast = torch.is_autocast_enabled("cpu")
-            seen["precision"].add(
-                {torch.bfloat16: "bf16", torch.float16: "fp16"}[torch.get_autocast_dtype("cpu")]
-                if autocast
-                else "fp32"
-            )
+
+    def precision(_module: Any, _args: Any) -> None:
+        # what the layers compute in, read inside the run (a hook on the model itself runs
+        # before the autocast the Trainer wraps its forward in): autocast's dtype, or fp32
+        autocast = torch.is_autocast_enabled("cpu")
+        dtypes = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+        seen["precision"].add(dtypes[torch.get_autocast_dtype("cpu")] if autocast else "fp32")
 
     model.register_forward_pre_hook(count, with_kwargs=True)
+    layer = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    layer.register_forward_pre_hook(precision)
     marks: list[tuple[float, int]] = []
 
     class Clock(TrainerCallback):  # type: ignore[misc]
