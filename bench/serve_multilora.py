@@ -50,7 +50,7 @@ from tunefleet.platform.models import BUILTIN_MODEL, ModelRegistry  # noqa: E402
 from tunefleet.platform.settings import get_settings  # noqa: E402
 from tunefleet.workers.model_registry import prepare_builtin  # noqa: E402
 from tunefleet.workers.serve._adapter_cache import AdapterCache  # noqa: E402
-from tunefleet.workers.serve._adapters import load_serving_base  # noqa: E402
+from tunefleet.workers.serve._adapters import load_serving_base, serving_precision  # noqa: E402
 from tunefleet.workers.serve._engine import BatchEngine, generate_all  # noqa: E402
 from tunefleet.workers.serve._generate import Sampling  # noqa: E402
 from tunefleet.workers.serve._multilora import MultiLoraModel  # noqa: E402
@@ -60,8 +60,14 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 PLACE: dict[str, Any] = {"device": "cpu", "dtype": torch.float32}
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SEEN: set[str] = set()  # the precisions the served bases were in, read from their weights
+
+
 def serving_base(model_path: Path) -> Any:
-    return load_serving_base(model_path).to(**PLACE)
+    base = load_serving_base(model_path, dtype=PLACE["dtype"]).to(PLACE["device"])
+    SEEN.add(next(name for name, d in DTYPES.items() if d == next(base.parameters()).dtype))
+    return base
 
 
 def make_prompts(tokenizer: Any, n: int) -> list[list[int]]:
@@ -304,11 +310,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     prompts = make_prompts(tokenizer, args.requests)
-    rates: dict[str, dict[int, float]] = {
-        "tunefleet": {},
-        "peft_set_adapter": {},
-        "peft_mixed_batch": {},
-    }
+    auto, why = serving_precision("auto")
+    sides = ["fp32", *(["bf16"] if auto == "bf16" else [])]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         base = load_serving_base(model_path)
@@ -322,62 +325,40 @@ def main() -> None:
         if args.cold_load_only:
             write_cold_loads(loads, by_store)
             return
-        merged = 0.0
-        for rep in range(args.repeats):
-            merged = max(
-                merged, run_merged(model_path, folder, prompts, args.new_tokens, tokenizer)
-            )
-            print(f"[{rep}] merged: {merged:.1f} tok/s", flush=True)
-            for n in counts:
-                tf = run_tunefleet(model_path, folder, prompts, n, args.new_tokens, tokenizer)
-                rates["tunefleet"][n] = max(rates["tunefleet"].get(n, 0), tf)
-                gc.collect()
-                peft = _peft_with(model_path, folder, n)
-                a = run_peft_set_adapter(peft, prompts, n, args.new_tokens, pad, args.sample)
-                b = run_peft_mixed(peft, prompts, n, args.new_tokens, pad)
-                del peft
-                gc.collect()
-                rates["peft_set_adapter"][n] = max(rates["peft_set_adapter"].get(n, 0), a)
-                rates["peft_mixed_batch"][n] = max(rates["peft_mixed_batch"].get(n, 0), b)
-                print(
-                    f"[{rep}] {n:>3} adapters: tunefleet {tf:.1f}, peft set_adapter {a:.1f},"
-                    f" peft mixed {b:.1f} tok/s",
-                    flush=True,
-                )
+        measured = {}
+        for precision in sides:
+            PLACE["dtype"] = DTYPES[precision]
+            SEEN.clear()
+            rates, merged = throughput(model_path, folder, prompts, counts, args, tokenizer, pad)
+            if {precision} != SEEN:  # what the runs' bases really held
+                raise RuntimeError(f"the {precision} side ran in {sorted(SEEN)}")
+            measured[precision] = (rates, merged)
 
-    tf = rates["tunefleet"]
-    mid = 32 if 32 in tf else counts[len(counts) // 2]
-    top = max(counts)
-    figures = {
-        f"vs_set_adapter_at_{mid}": tf[mid] / rates["peft_set_adapter"][mid],
-        f"vs_mixed_batch_at_{mid}": tf[mid] / rates["peft_mixed_batch"][mid],
-        f"loss_at_{top}_vs_1": 1 - tf[top] / tf[1],
-        "single_adapter_overhead_vs_merged": 1 - tf[1] / merged,
-        "cold_load_median_ms": statistics.median(loads) * 1000,
-        **cold_load_figures(by_store),
-    }
-    checks = {
-        f"at {mid} adapters >= 10x peft set_adapter": figures[f"vs_set_adapter_at_{mid}"] >= 10,
-        f"at {mid} adapters >= 2x peft mixed batch": figures[f"vs_mixed_batch_at_{mid}"] >= 2,
-        f"{top} adapters within 20% of 1": figures[f"loss_at_{top}_vs_1"] <= 0.20,
-        "single adapter within 25% of merged": figures["single_adapter_overhead_vs_merged"] <= 0.25,
-        "median cold load < 50 ms (r=16)": figures["cold_load_median_ms"] < 50,
-        **cold_load_targets(figures),
-    }
-    result = {
+    cold = {"cold_load_median_ms": statistics.median(loads) * 1000, **cold_load_figures(by_store)}
+    result: dict[str, Any] = {
         "model": BUILTIN_MODEL,
         "machine": machine.describe(),
+        "auto_precision": {"chosen": auto, "why": why},
         "requests": args.requests,
         "new_tokens": args.new_tokens,
         "rank": 16,
         "target_modules": list(TARGETS),
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
-        "tokens_per_s": {k: {str(n): round(v, 2) for n, v in d.items()} for k, d in rates.items()}
-        | {"merged": round(merged, 2)},
-        "figures": {k: round(v, 4) for k, v in figures.items()},
-        "targets_met": checks,
+        "sides": {p: side(*measured[p], counts) for p in sides},
+        "cold_load": {k: round(v, 4) for k, v in cold.items()},
+        "cold_load_targets_met": {
+            "median cold load < 50 ms (r=16)": cold["cold_load_median_ms"] < 50,
+            **cold_load_targets(cold),
+        },
     }
+    if "bf16" in measured:
+        result["tunefleet_bf16_vs_fp32"] = {
+            str(n): round(
+                measured["bf16"][0]["tunefleet"][n] / measured["fp32"][0]["tunefleet"][n], 3
+            )
+            for n in counts
+        }
     out = (
         ROOT
         / "bench"
@@ -389,12 +370,79 @@ def main() -> None:
     print(json.dumps(result, indent=2))
 
 
+def throughput(
+    model_path: Path,
+    folder: Path,
+    prompts: list[list[int]],
+    counts: list[int],
+    args: argparse.Namespace,
+    tokenizer: Any,
+    pad: int,
+) -> tuple[dict[str, dict[int, float]], float]:
+    """Every configuration ``args.repeats`` times in alternation, the best rate of each, in
+    the precision ``PLACE`` says."""
+    rates: dict[str, dict[int, float]] = {
+        "tunefleet": {},
+        "peft_set_adapter": {},
+        "peft_mixed_batch": {},
+    }
+    merged = 0.0
+    label = str(PLACE["dtype"]).removeprefix("torch.")
+    for rep in range(args.repeats):
+        merged = max(merged, run_merged(model_path, folder, prompts, args.new_tokens, tokenizer))
+        print(f"[{label} {rep}] merged: {merged:.1f} tok/s", flush=True)
+        for n in counts:
+            tf = run_tunefleet(model_path, folder, prompts, n, args.new_tokens, tokenizer)
+            rates["tunefleet"][n] = max(rates["tunefleet"].get(n, 0), tf)
+            gc.collect()
+            peft = _peft_with(model_path, folder, n)
+            a = run_peft_set_adapter(peft, prompts, n, args.new_tokens, pad, args.sample)
+            b = run_peft_mixed(peft, prompts, n, args.new_tokens, pad)
+            del peft
+            gc.collect()
+            rates["peft_set_adapter"][n] = max(rates["peft_set_adapter"].get(n, 0), a)
+            rates["peft_mixed_batch"][n] = max(rates["peft_mixed_batch"].get(n, 0), b)
+            print(
+                f"[{label} {rep}] {n:>3} adapters: tunefleet {tf:.1f}, "
+                f"peft set_adapter {a:.1f}, peft mixed {b:.1f} tok/s",
+                flush=True,
+            )
+    return rates, merged
+
+
+def side(rates: dict[str, dict[int, float]], merged: float, counts: list[int]) -> dict[str, Any]:
+    """One precision's rates, figures and targets."""
+    tf = rates["tunefleet"]
+    mid = 32 if 32 in tf else counts[len(counts) // 2]
+    top = max(counts)
+    figures = {
+        f"vs_set_adapter_at_{mid}": tf[mid] / rates["peft_set_adapter"][mid],
+        f"vs_mixed_batch_at_{mid}": tf[mid] / rates["peft_mixed_batch"][mid],
+        f"loss_at_{top}_vs_1": 1 - tf[top] / tf[1],
+        "single_adapter_overhead_vs_merged": 1 - tf[1] / merged,
+    }
+    checks = {
+        f"at {mid} adapters >= 10x peft set_adapter": figures[f"vs_set_adapter_at_{mid}"] >= 10,
+        f"at {mid} adapters >= 2x peft mixed batch": figures[f"vs_mixed_batch_at_{mid}"] >= 2,
+        f"{top} adapters within 20% of 1": figures[f"loss_at_{top}_vs_1"] <= 0.20,
+        "single adapter within 25% of merged": figures["single_adapter_overhead_vs_merged"] <= 0.25,
+    }
+    return {
+        "tokens_per_s": {k: {str(n): round(v, 2) for n, v in d.items()} for k, d in rates.items()}
+        | {"merged": round(merged, 2)},
+        "figures": {k: round(v, 4) for k, v in figures.items()},
+        "targets_met": checks,
+    }
+
+
 def plot(result: dict[str, Any], path: Path, counts: list[int]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    precision = result["auto_precision"]["chosen"]
+    rates = result["sides"][precision]["tokens_per_s"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     labels = {
         "tunefleet": "TuneFleet batched",
@@ -402,10 +450,10 @@ def plot(result: dict[str, Any], path: Path, counts: list[int]) -> None:
         "peft_set_adapter": "peft set_adapter per request",
     }
     for key, label in labels.items():
-        ys = [result["tokens_per_s"][key][str(n)] for n in counts]
+        ys = [rates[key][str(n)] for n in counts]
         ax.plot(counts, ys, marker="o", label=label)
     ax.axhline(
-        result["tokens_per_s"]["merged"],
+        rates["merged"],
         linestyle="--",
         color="grey",
         label="merged single adapter",
@@ -414,7 +462,7 @@ def plot(result: dict[str, Any], path: Path, counts: list[int]) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("distinct adapters in the batch")
     ax.set_ylabel("generated tokens/s")
-    ax.set_title(f"{result['model']}, {result['requests']} requests, CPU")
+    ax.set_title(f"{result['model']}, {result['requests']} requests, CPU, {precision}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

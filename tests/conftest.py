@@ -55,6 +55,11 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["AWS_ACCESS_KEY_ID"] = "tunefleet-tests"
     os.environ["AWS_SECRET_ACCESS_KEY"] = secrets.token_hex(16)
     os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+    # Serving tests hold greedy answers (merged against unmerged, served against peft) to
+    # fp32's rounding: replicas serve fp32, not what "auto" settles on a native-bf16 CPU.
+    # bf16 serving has its own tests: the demo (tests/e2e/test_demo.py serves "auto"),
+    # the packed bf16 layers (test_multilora.py) and the detection (test_precision.py).
+    os.environ["TUNEFLEET_SERVE_PRECISION"] = "fp32"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -48,6 +48,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory, smollm_registry: Path, ray_cl
         "TUNEFLEET_API_PORT": str(free_port()),
         "TUNEFLEET_SERVE_PORT": str(free_port()),
         "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
+        "TUNEFLEET_SERVE_PRECISION": "auto",  # the default (the other tests serve fp32)
     }
     run = subprocess.run(
         [sys.executable, "-m", "tunefleet.cli.main", "demo", "--questions", str(QUESTIONS)],
@@ -102,8 +103,9 @@ def test_the_demo_adapter_teaches_the_base_model_a_new_behaviour(demo: Any, smol
     tuned = PeftModel.from_pretrained(smol_base.model, adapter).eval()
     try:
         ids = greedy_ids(tuned, smol_base.tokenizer, heldout, OPENING_TOKENS)
-        if NATIVE_BF16:  # and in bf16, as precision auto computes here
+        if NATIVE_BF16:  # and in bf16, as precision auto computes and serves here
             _same_answers_in_bf16(tuned, smol_base.tokenizer, heldout, ids)
+            _served_answers_in_bf16(tuned, smol_base, adapter, ids)
     finally:
         tuned.unload()  # the shared base model, as it was
     after = smol_base.tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -113,6 +115,61 @@ def test_the_demo_adapter_teaches_the_base_model_a_new_behaviour(demo: Any, smol
     print(f"opens like a pirate: base {rate_before:.0%}, tuned {rate_after:.0%}")
     assert rate_before < 0.10, before
     assert rate_after > 0.80, list(zip(heldout, after, strict=True))
+
+
+def _served_answers_in_bf16(tuned: Any, smol_base: Any, adapter: Path, fp32: Any) -> None:
+    """The serving engine, its base stored in bf16 as ``TUNEFLEET_SERVE_PRECISION=auto``
+    serves it here (oneDNN-packed bf16 layers, the adapter's factors in fp32), answers as
+    fp32 greedy does (each answer up to its end of text), with the bound of
+    ``_same_answers_in_bf16``: where an answer parts, fp32's margin between the two tokens
+    is within twice the largest difference between the engine's logits and fp32's there."""
+    import torch
+
+    from tunefleet.workers.serve._adapter_cache import AdapterCache
+    from tunefleet.workers.serve._adapters import load_serving_base
+    from tunefleet.workers.serve._engine import BatchEngine, generate_all
+    from tunefleet.workers.serve._generate import Sampling, eos_ids
+    from tunefleet.workers.serve._multilora import MultiLoraModel
+
+    tokenizer, questions = smol_base.tokenizer, smol_base.heldout
+    base = load_serving_base(smol_base.path, dtype=torch.bfloat16)
+    assert base.lm_head.weight.dtype == torch.bfloat16
+    lora = MultiLoraModel(base, max_adapters=1)
+    assert lora.packed, "no layer was packed for oneDNN in bf16"
+    slot = AdapterCache(lora, locate=lambda _: adapter).acquire("demo", hold=False)
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True,
+            return_dict=True,
+        )["input_ids"]
+        for q in questions
+    ]  # fmt: skip
+    engine = BatchEngine(lora, set(), max_batch_size=len(prompts))  # every answer its length
+    sampling = Sampling(max_tokens=OPENING_TOKENS, temperature=0)
+    done = generate_all(engine, tokenizer, [(p, sampling, slot) for p in prompts])
+    ends = eos_ids(base, tokenizer)
+    parted = 0
+    for prompt, finished, exact_ids in zip(prompts, done, fp32.tolist(), strict=True):
+        cut = next((i + 1 for i, t in enumerate(exact_ids) if t in ends), len(exact_ids))
+        served, exact_ids = finished.token_ids[:cut], exact_ids[:cut]
+        if served == exact_ids:
+            continue
+        parted += 1
+        at = next(i for i, (a, b) in enumerate(zip(served, exact_ids, strict=True)) if a != b)
+        ids = torch.tensor([prompt + exact_ids[:at]])
+        with torch.no_grad():
+            exact = tuned(input_ids=ids).logits[0, -1].float()
+            with lora.lock:
+                lora.set_rows([slot])
+                rounded = lora.model(input_ids=ids).logits[0, -1].float()
+                lora.set_rows(None)
+        margin = exact[exact_ids[at]] - exact[served[at]]
+        noise = (rounded - exact).abs().max()
+        assert 0 <= margin <= 2 * noise, (tokenizer.decode(prompt), at, float(margin), float(noise))
+    print(f"served in bf16: {len(prompts) - parted}/{len(prompts)} answers as in fp32")
+    assert parted <= len(prompts) // 4
+    answers = [tokenizer.decode(f.token_ids, skip_special_tokens=True) for f in done]
+    assert sum(map(pirate, answers)) / len(answers) > 0.80, answers
 
 
 def _same_answers_in_bf16(model: Any, tokenizer: Any, questions: list[str], fp32: Any) -> None:

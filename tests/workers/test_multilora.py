@@ -28,6 +28,7 @@ from tunefleet.workers.serve._generate import Sampling, eos_ids
 from tunefleet.workers.serve._kvcache import GROW, BatchCache
 from tunefleet.workers.serve._multilora import MultiLoraModel
 from tunefleet.workers.serve._onednn import PackedLinear, pack_linear
+from tunefleet.workers.train._precision import cpu_bf16
 
 TINY = "tiny-llama"
 GREEDY = Sampling(max_tokens=10, temperature=0)
@@ -492,7 +493,29 @@ def test_linear_layers_are_packed_and_copied_back_plain(tied: bool) -> None:
         assert torch.equal(layer.weight, reference.weight)
         assert (layer.bias is None) == (reference.bias is None)
     assert (copied.lm_head.weight is copied.model.embed_tokens.weight) == tied
-    assert pack_linear(nn.Linear(4, 4).to(torch.float64)) is None  # fp32 only; left as it is
+    assert pack_linear(nn.Linear(4, 4).to(torch.float64)) is None  # fp32, bf16 only
+
+
+@pytest.mark.skipif(not cpu_bf16()[0], reason=f"bf16 is not native here: {cpu_bf16()[1]}")
+def test_bf16_linear_layers_are_packed_where_bf16_is_native() -> None:
+    """A base served in bf16 (``TUNEFLEET_SERVE_PRECISION=auto`` on a native-bf16 CPU)
+    has its layers packed for oneDNN too. Both the packed product and ``nn.Linear``'s
+    multiply bf16 values exactly in fp32, sum in fp32 (within ``gamma(n)`` of the terms'
+    magnitudes, fp32's unit roundoff) and round the sum to bf16 once (within 2^-8 of it):
+    each within that of the exact product, so within twice of each other."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    plain = nn.Linear(256, 96).to(torch.bfloat16)
+    packed = pack_linear(plain)
+    assert type(packed) is PackedLinear
+    x = torch.randn(5, 7, 256).to(torch.bfloat16)
+    exact = x.double() @ plain.weight.double().T + plain.bias.double()
+    magnitude = x.double().abs() @ plain.weight.double().abs().T + plain.bias.double().abs()
+    bound = 2 * (gamma(257) * magnitude + 2.0**-8 * exact.abs())
+    with torch.inference_mode():
+        assert packed(x).dtype == torch.bfloat16
+        assert ((packed(x).double() - plain(x).double()).abs() <= bound).all()
 
 
 def test_a_slow_adapter_read_holds_up_no_loaded_adapter(setup: dict[str, Any]) -> None:

@@ -92,6 +92,22 @@ def test_a_precision_the_job_names_is_kept_and_auto_is_settled_with_its_reason()
     )
 
 
+def test_serving_replicas_settle_auto_by_the_same_detection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``TUNEFLEET_SERVE_PRECISION``: a named precision is kept; ``auto`` is training's
+    choice on this CPU, with its reason, and fp32 where oneDNN is held below bf16."""
+    from tunefleet.workers.serve._adapters import serving_precision
+
+    for asked in ("fp32", "bf16"):
+        assert serving_precision(asked)[0] == asked
+    assert serving_precision("auto") == ("bf16" if NATIVE else "fp32", f"auto: {WHY}")
+    _reports(monkeypatch, amx=True, avx512_bf16=True)
+    assert serving_precision("auto")[0] == "bf16"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert serving_precision("auto")[0] == "fp32"
+
+
 def test_the_detection_agrees_with_the_gemms_of_this_machine() -> None:
     """Native bf16 runs a bf16 GEMM at least 1.5x as fast as fp32: AVX512-BF16's dot
     product does two bf16 multiply-adds per fp32 lane (2x), AMX far more, and the operands

@@ -662,12 +662,12 @@ def test_a_compiled_model_trains(ray_env: dict[str, Any], runs: dict[str, Any]) 
 
 
 def _gpu_cases() -> dict[str, dict[str, Any]]:
-    """The jobs bench/gpu_train.py measures (on SmolLM2), here on the tiny model; fp8 needs
+    """The jobs bench/gpu_check.py trains (on SmolLM2), here on the tiny model; fp8 needs
     torchao and compute capability 8.9, so only the bench tries it."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from gpu_train import JOBS
+    from gpu_check import TRAIN
 
-    return {name: options for name, options in JOBS.items() if name != "fp8_full"}
+    return {name: options for name, options in TRAIN.items() if name != "fp8_full"}
 
 
 GPU_CASES = _gpu_cases()

@@ -141,6 +141,11 @@ class Settings(BaseSettings):
         description="Serve the base in fp32 ('none') or 4-bit NF4 ('nf4', for QLoRA "
         "adapters on the base they were trained on).",
     )
+    serve_precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto",
+        description="What replicas serve the base in: 'auto' is bf16 where the replica's "
+        "CPU computes bf16 natively (AMX or AVX512-BF16, as training's 'auto'), else fp32.",
+    )
     serve_min_replicas: int = Field(default=1, ge=1, description="Serving replicas (least).")
     serve_max_replicas: int = Field(
         default=1, ge=1, description="Serving replicas (most; above the least: autoscaling)."

@@ -268,6 +268,7 @@ class RayBackend:
             max_batch_size=st.serve_max_batch_size,
             batch_wait_ms=st.serve_batch_wait_ms,
             base_quantization=st.serve_base_quantization,
+            precision=st.serve_precision,
         )
         serve.run(
             build_app(

@@ -15,6 +15,7 @@ from torch import nn
 
 from tunefleet.platform.artifacts import METHOD_FILE
 from tunefleet.workers._nf4 import dequantize_4bit_model, load_4bit
+from tunefleet.workers.train._precision import device_choice
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -91,19 +92,29 @@ def factors(
     return out
 
 
-def load_serving_base(model_path: str | Path, quantization: str = "none") -> nn.Module:
-    """The base model for serving, in fp32 or quantized to 4-bit NF4 (double quantization,
-    fp32 compute on every CPU: ``nf4.load_4bit``) to serve QLoRA adapters on the base they
-    were trained on."""
+def serving_precision(asked: str) -> tuple[str, str]:
+    """What a replica serves its base in: ``asked``, or for ``auto`` what precision
+    ``auto`` trains in on this machine's CPU (``_precision.device_choice``): bf16 where it
+    computes bf16 natively, else fp32; and why."""
+    if asked != "auto":
+        return asked, f"{asked}, as the operator set it (TUNEFLEET_SERVE_PRECISION)"
+    chosen, why = device_choice(torch.device("cpu"))
+    return chosen, f"auto: {why}"
+
+
+def load_serving_base(
+    model_path: str | Path, quantization: str = "none", dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """The base model for serving, in ``dtype`` (fp32 or bf16), or quantized to 4-bit NF4
+    (double quantization, computing in ``dtype``: ``nf4.load_4bit``) to serve QLoRA
+    adapters on the base they were trained on."""
     from transformers import AutoModelForCausalLM
 
     model: nn.Module
     if quantization == "nf4":
-        model = load_4bit(
-            str(model_path), quant_type="nf4", double_quant=True, compute_dtype=torch.float32
-        )
+        model = load_4bit(str(model_path), quant_type="nf4", double_quant=True, compute_dtype=dtype)
     elif quantization == "none":
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
     else:
         raise ValueError(f"base_quantization {quantization!r}: use 'none' or 'nf4'")
     return model.eval()

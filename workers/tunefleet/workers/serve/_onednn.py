@@ -52,21 +52,27 @@ class PackedLinear(nn.Module):
 
 
 def pack_linear(linear: nn.Module, tied: bool = False) -> PackedLinear | None:
-    """``linear`` packed for oneDNN, or None where it cannot be: not a plain fp32
+    """``linear`` packed for oneDNN, or None where it cannot be: not a plain fp32 or bf16
     ``nn.Linear`` on the CPU, oneDNN missing, or its product differing from
-    ``F.linear``'s (checked on a random input)."""
+    ``F.linear``'s (checked on a random input: within 1e-4 in fp32; in bf16, within one
+    rounding of bf16's 8-bit significand, 2^-7 relative, as both sum in fp32 and round
+    the sum once)."""
     if type(linear) is not nn.Linear or not torch.backends.mkldnn.is_available():
         return None
     weight = linear.weight.detach()
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
+    tolerance = 1e-4 if weight.dtype == torch.float32 else 2**-7
     try:
         packed = PackedLinear(
             linear, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT), tied
         )
         x = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0))
+        x = x.to(weight.dtype)
         with torch.inference_mode():
-            ok = torch.allclose(packed(x), linear(x), rtol=1e-4, atol=1e-4)
+            want = linear(x)
+            scale = float(want.abs().max())
+            ok = torch.allclose(packed(x), want, rtol=tolerance, atol=tolerance * scale)
     except (RuntimeError, AttributeError):  # an op missing from this build of torch
         return None
     return packed if ok else None

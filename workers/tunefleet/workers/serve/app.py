@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -40,7 +41,12 @@ from tunefleet.platform.serving_contract import (
 )
 from tunefleet.platform.settings import get_settings
 from tunefleet.workers.serve._adapter_cache import AdapterCache, AdapterInUse, CacheFullError
-from tunefleet.workers.serve._adapters import AdapterError, load_serving_base, merge_into_copy
+from tunefleet.workers.serve._adapters import (
+    AdapterError,
+    load_serving_base,
+    merge_into_copy,
+    serving_precision,
+)
 from tunefleet.workers.serve._answer import Answer
 from tunefleet.workers.serve._engine import BatchEngine
 from tunefleet.workers.serve._generate import eos_ids
@@ -75,6 +81,7 @@ class ServingOptions(BaseModel):
     max_batch_size: int = Field(default=32, ge=1, le=1024)
     batch_wait_ms: float = Field(default=5.0, ge=0, le=1000)
     base_quantization: Literal["none", "nf4"] = "none"
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # settled by each replica at start
 
 
 class ServingConfig(BaseModel):
@@ -148,7 +155,10 @@ class LoraServer:
         self.store = open_store(**store, cache_dir=get_settings().resolved_artifact_cache)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.metrics = AdapterMetrics()
-        base = load_serving_base(model_path, self.options.base_quantization)
+        self.precision, why = serving_precision(self.options.precision)
+        log.info("serving %s in %s (%s)", base_model, self.precision, why)
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        base = load_serving_base(model_path, self.options.base_quantization, dtype)
         self.lora = MultiLoraModel(base, max_adapters=self.options.max_adapters_per_replica)
         self.cache = AdapterCache(
             self.lora,
@@ -454,7 +464,7 @@ class LoraServer:
 
     @app.get("/healthz")
     async def healthz(self) -> dict[str, str]:
-        return {"status": "ok", "base_model": self.base_model}
+        return {"status": "ok", "base_model": self.base_model, "precision": self.precision}
 
 
 def build_app(
