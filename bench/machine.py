@@ -1,6 +1,6 @@
 """The machine a benchmark ran on, for its results: CPU count and model, and whether the
 CPU computes bf16 natively for this process (what precision "auto" follows, see
-``tunefleet.workers.train._precision``), which changes both speed and numerics."""
+``tunefleet.workers._precision``), which changes both speed and numerics."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def cpu_name() -> str:
 
 def native_bf16() -> tuple[bool, str]:
     """Whether this CPU computes bf16 natively, and what says so (PyTorch and oneDNN)."""
-    from tunefleet.workers.train._precision import cpu_bf16
+    from tunefleet.workers._precision import cpu_bf16
 
     return cpu_bf16()
 

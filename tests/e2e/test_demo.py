@@ -24,7 +24,7 @@ import pytest
 
 from raycluster import free_port
 from tunefleet.platform.models import BUILTIN_MODEL
-from tunefleet.workers.train._precision import cpu_bf16
+from tunefleet.workers._precision import cpu_bf16
 
 pytestmark = pytest.mark.slow
 

@@ -21,6 +21,7 @@ import torch
 
 from float64 import assert_greedy, double, gamma, logit_error
 from tinyllm import save_random_lora
+from tunefleet.workers._precision import cpu_bf16
 from tunefleet.workers.serve._adapter_cache import AdapterCache, AdapterInUse, CacheFullError
 from tunefleet.workers.serve._adapters import AdapterError
 from tunefleet.workers.serve._engine import BatchEngine, generate_all
@@ -28,7 +29,6 @@ from tunefleet.workers.serve._generate import Sampling, eos_ids
 from tunefleet.workers.serve._kvcache import GROW, BatchCache
 from tunefleet.workers.serve._multilora import MultiLoraModel
 from tunefleet.workers.serve._onednn import PackedLinear, pack_linear
-from tunefleet.workers.train._precision import cpu_bf16
 
 TINY = "tiny-llama"
 GREEDY = Sampling(max_tokens=10, temperature=0)

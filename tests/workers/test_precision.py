@@ -1,4 +1,4 @@
-"""Precision ``auto`` (``workers/train/_precision.py``): what the workers detect, and what
+"""Precision ``auto`` (``workers/_precision.py``): what the workers detect, and what
 bf16 changes where it is native.
 
 - The detection follows what PyTorch's cpuinfo and oneDNN report, each case on its own
@@ -21,7 +21,7 @@ from tunefleet.cli._demo import DATA, DEMO_JOB
 from tunefleet.platform._defaults import base_learning_rate
 from tunefleet.platform.models import BUILTIN_MODEL, ModelRegistry
 from tunefleet.platform.spec import JobSpec
-from tunefleet.workers.train import _precision
+from tunefleet.workers import _precision
 from tunefleet.workers.train._loop import make_optimizer, precision_context
 from tunefleet.workers.train._loss import LabelledLogits, mean_loss
 from tunefleet.workers.train._methods import build_model

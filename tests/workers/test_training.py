@@ -40,10 +40,10 @@ from tunefleet.platform.planner import PlanDevice
 from tunefleet.platform.settings import get_settings
 from tunefleet.platform.spec import BASE_LEARNING_RATE
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
+from tunefleet.workers._precision import cpu_bf16
 from tunefleet.workers.backend import RayBackend
 from tunefleet.workers.controller import Controller
 from tunefleet.workers.train._metrics import native_cpu_dtype
-from tunefleet.workers.train._precision import cpu_bf16
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from tunefleet.platform.artifacts import METHOD_FILE
 from tunefleet.workers._nf4 import dequantize_4bit_model, load_4bit
-from tunefleet.workers.train._precision import device_choice
+from tunefleet.workers._precision import device_choice
 
 _PEFT_PREFIX = "base_model.model."
 

@@ -34,6 +34,7 @@ from tunefleet.platform.artifacts import Keys, open_store
 from tunefleet.platform.outbound import OutboundPolicy
 from tunefleet.platform.settings import get_settings
 from tunefleet.platform.spec import JobSpec
+from tunefleet.workers._precision import settle as settle_precision
 from tunefleet.workers._run_channel import ChannelReporter
 from tunefleet.workers.train import _checkpoint as ckpt_files
 from tunefleet.workers.train import _metrics as train_metrics
@@ -42,7 +43,6 @@ from tunefleet.workers.train import _sharding as sharding
 from tunefleet.workers.train._dpo import Reference, collate_pairs, dpo_loss, sequence_logps
 from tunefleet.workers.train._loss import LabelledLogits, correct_tokens, mean_loss
 from tunefleet.workers.train._methods import build_model, load_weights
-from tunefleet.workers.train._precision import settle as settle_precision
 from tunefleet.workers.train._trackers import Trackers, job_config
 from tunefleet.workers.train.data import (
     collate,

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from tunefleet.workers._precision import cpu_bf16
 from tunefleet.workers.train import _probe as probe
-from tunefleet.workers.train._precision import cpu_bf16
 
 # Dense bf16/fp16 tensor-core peak FLOP/s of common training GPUs (vendor data sheets,
 # without sparsity), matched against torch.cuda.get_device_name().

@@ -1,7 +1,8 @@
 """What ``tunefleet.precision: auto`` becomes on a run's workers: bf16 where the device
 computes it natively, fp16 (with loss scaling) on GPUs without bf16, fp32 elsewhere
 (``spec.AUTO_PRECISION``). Only a worker sees its device, so the workers settle it at
-start, and a gang trains in the lowest precision all its workers have.
+start, and a gang trains in the lowest precision all its workers have. Serving replicas
+settle ``TUNEFLEET_SERVE_PRECISION=auto`` by the same rule (``serve._adapters``).
 
 A CPU computes bf16 natively when PyTorch's cpuinfo reports AMX or AVX512-BF16 *and*
 oneDNN, which runs PyTorch's bf16 GEMMs on the CPU, may use those instructions: an
