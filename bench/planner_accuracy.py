@@ -226,17 +226,7 @@ def measure_cuda(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for case in cases:
         gc.collect()
         torch.cuda.empty_cache()
-        measured = _measure_cuda(case)
-        predicted = predict(case)
-        rows.append(
-            {
-                "case": case,
-                "measured": measured,
-                "predicted": predicted,
-                "states_error": predicted["states_bytes"] / measured["states_bytes"] - 1,
-                "peak_error": predicted["peak_bytes"] / measured["peak_bytes"] - 1,
-            }
-        )
+        rows.append(row(case, _measure_cuda(case)))
     return rows
 
 
@@ -345,22 +335,25 @@ def predict(case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def row(case: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """A case's measurement beside the planner's prediction, and their relative errors."""
+    predicted = predict(case)
+    return {
+        "case": case,
+        "measured": measured,
+        "predicted": predicted,
+        "states_error": predicted["states_bytes"] / measured["states_bytes"] - 1,
+        "peak_error": predicted["peak_bytes"] / measured["peak_bytes"] - 1,
+    }
+
+
 def compare(cases: list[dict[str, Any]], threads: int = 2) -> list[dict[str, Any]]:
     """Measured against predicted for each case, measured in one fresh process of
     ``threads`` compute threads (memory does not depend on them; the test runs two such
     processes at once)."""
     rows = []
     for case, measured in zip(cases, run_cases(cases, threads), strict=True):
-        predicted = predict(case)
-        rows.append(
-            {
-                "case": case,
-                "measured": measured,
-                "predicted": predicted,
-                "states_error": predicted["states_bytes"] / measured["states_bytes"] - 1,
-                "peak_error": predicted["peak_bytes"] / measured["peak_bytes"] - 1,
-            }
-        )
+        rows.append(row(case, measured))
     return rows
 
 
