@@ -17,9 +17,16 @@ Afterwards the database must hold every job exactly once (each create carries a 
 Idempotency-Key and metadata naming its client and sequence number).
 Target on the 2-core reference machine: >= 300 creations/s on PostgreSQL, p99 < 100 ms.
 
+The inference limiter's phase (first, on both backends): 32 clients creating jobs and 32
+sending chat requests at once, with the per-tenant inference limits at their defaults and
+off, alternating, Serve replaced by ``instant_serve.py`` (which answers at once: the API's
+own work is then all a chat request costs, so the limiter's share is the largest it can
+be). Target: with the limiter on, creates/s and chats/s at least 0.95 of off's; one
+admission and its release under 1 ms.
+
     .venv/bin/python bench/api_load.py [--clients 32] [--creates-per-client 50]
-        [--baseline REV | --baseline none] [--rounds 2]
-Writes bench/results/api_load.json.
+        [--baseline REV | --baseline none] [--rounds 2] [--limiter-only]
+Writes bench/results/api_load.json (with --limiter-only, api_load_limiter.json).
 """
 
 from __future__ import annotations
@@ -174,6 +181,52 @@ async def offered_load(
     }
 
 
+def start_api(env: dict[str, str], port: int, workers: int) -> subprocess.Popen[bytes]:
+    """The API under uvicorn with ``workers`` processes, as ``tunefleet up`` runs it."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--factory",
+            "tunefleet.api.app:create_app",
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+        ],
+        env=env,
+        start_new_session=True,
+    )
+
+
+def wait_healthy(base: str) -> None:
+    for _ in range(200):
+        try:
+            if httpx.get(base + "/healthz").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{base} did not answer /healthz")
+
+
+def upload_files(base: str, keys: list[str]) -> list[str]:
+    """One training file per tenant; their ids."""
+    files = []
+    for key in keys:
+        resp = httpx.post(
+            base + "/v1/files",
+            headers={"Authorization": f"Bearer {key}"},
+            data={"purpose": "fine-tune"},
+            files={"file": ("t.jsonl", json.dumps(CHAT).encode())},
+        )
+        files.append(resp.json()["id"])
+    return files
+
+
 SETUP = """
 import json, sys
 from tunefleet.platform.db import session_scope
@@ -212,41 +265,11 @@ def run_backend(
     keys = json.loads(setup.stdout.strip().splitlines()[-1])
     port = free_port()
     env |= {"TUNEFLEET_DATA_DIR": str(data), "TUNEFLEET_DATABASE_URL": db_url}
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "--factory",
-            "tunefleet.api.app:create_app",
-            "--port",
-            str(port),
-            "--workers",
-            str(workers),
-            "--log-level",
-            "warning",
-            "--no-access-log",
-        ],
-        env=env,
-        start_new_session=True,
-    )
+    server = start_api(env, port, workers)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(200):
-            try:
-                if httpx.get(base + "/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        files = []
-        for key in keys:
-            resp = httpx.post(
-                base + "/v1/files",
-                headers={"Authorization": f"Bearer {key}"},
-                data={"purpose": "fine-tune"},
-                files={"file": ("t.jsonl", json.dumps(CHAT).encode())},
-            )
-            files.append(resp.json()["id"])
+        wait_healthy(base)
+        files = upload_files(base, keys)
         creates: list[float] = []
         lists: list[float] = []
         errors: list[str] = []
@@ -332,6 +355,139 @@ def run_backend(
         server.wait(30)
 
 
+async def mixed_load(
+    base: str, keys: list[str], files: list[str], clients: int, per_client: int, tag: str
+) -> dict[str, Any]:
+    """``clients`` clients creating jobs and as many sending chat requests, at once, each
+    sending its next request when the last is answered, over every tenant in turn."""
+    latencies: dict[str, list[float]] = {"create": [], "chat": []}
+    errors: list[str] = []
+    connector = aiohttp.TCPConnector(limit=2 * clients)
+    async with aiohttp.ClientSession(base, connector=connector) as http:
+
+        async def one(kind: str, client: int, seq: int) -> None:
+            tenant = (client * per_client + seq) % len(keys)
+            headers = {"Authorization": f"Bearer {keys[tenant]}"}
+            if kind == "create":
+                path = "/v1/fine_tuning/jobs"
+                headers["Idempotency-Key"] = f"{tag}-{client}-{seq}"
+                body: dict[str, Any] = {
+                    "model": "tiny-llama",
+                    "training_file": files[tenant],
+                    "metadata": {"client": f"{tag}-{client}", "seq": str(seq)},
+                }
+            else:
+                path = "/v1/chat/completions"
+                body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+            t0 = time.perf_counter()
+            async with http.post(path, json=body, headers=headers) as resp:
+                said = await resp.read()
+            latencies[kind].append(time.perf_counter() - t0)
+            if resp.status != 200:
+                errors.append(f"{kind} {resp.status}: {said[:160]!r}")
+
+        async def run(kind: str) -> float:
+            t0 = time.perf_counter()
+
+            async def client_loop(c: int) -> None:
+                for seq in range(per_client):
+                    await one(kind, c, seq)
+
+            await asyncio.gather(*[client_loop(c) for c in range(clients)])
+            return time.perf_counter() - t0
+
+        create_wall, chat_wall = await asyncio.gather(run("create"), run("chat"))
+    out: dict[str, Any] = {}
+    for kind, wall in (("create", create_wall), ("chat", chat_wall)):
+        got = latencies[kind]
+        out[f"{kind}s_per_s"] = round(len(got) / wall, 1)
+        out[f"{kind}_p50_ms"] = round(1000 * statistics.median(got), 1)
+        out[f"{kind}_p99_ms"] = round(1000 * percentile(got, 0.99), 1)
+    return {**out, "errors": errors[:5], "error_count": len(errors)}
+
+
+def run_limiter(
+    kind: str, db_url: str, limiter: bool, clients: int, per_client: int, workers: int
+) -> dict[str, Any]:
+    """The mixed load against this checkout on a fresh database ``db_url``, with the
+    inference limits at their defaults (``limiter``) or off (0: no database work), Serve
+    replaced by ``instant_serve``."""
+    from tinyllm import build_tiny_llama
+
+    data = Path(tempfile.mkdtemp(prefix=f"apiload-limiter-{kind}-"))
+    build_tiny_llama(data / "models" / "tiny-llama")
+    env = code_env(None)
+    setup = subprocess.run(
+        [sys.executable, "-c", SETUP, db_url], env=env, check=True, capture_output=True, text=True
+    )
+    keys = json.loads(setup.stdout.strip().splitlines()[-1])
+    serve_port, port = free_port(), free_port()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "instant_serve:app", "--app-dir", str(ROOT / "bench"),
+         "--port", str(serve_port), "--log-level", "warning", "--no-access-log"],
+        env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    env |= {
+        "TUNEFLEET_DATA_DIR": str(data),
+        "TUNEFLEET_DATABASE_URL": db_url,
+        "TUNEFLEET_SERVE_HOST": "127.0.0.1",
+        "TUNEFLEET_SERVE_PORT": str(serve_port),
+    }
+    if not limiter:
+        env |= {"TUNEFLEET_INFERENCE_REQUESTS_PER_S": "0",
+                "TUNEFLEET_INFERENCE_CONCURRENT_REQUESTS": "0"}  # fmt: skip
+    server = start_api(env, port, workers)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(f"http://127.0.0.1:{serve_port}")
+        wait_healthy(base)
+        files = upload_files(base, keys)
+        cpu0 = server_cpu_s(server.pid)
+        mixed = asyncio.run(mixed_load(base, keys, files, clients, per_client, "mixed"))
+        requests = 2 * clients * per_client
+        mixed["api_cpu_ms_per_request"] = round(
+            1000 * (server_cpu_s(server.pid) - cpu0) / requests, 3
+        )
+        return {"backend": kind, "limiter": limiter, **mixed}
+    finally:
+        for proc in (server, serve):
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+
+
+def limiter_cost_ms(db_url: str, n: int = 2000) -> float:
+    """Milliseconds one admission and its release take, in this process, on ``db_url``
+    (migrated, with SETUP's tenants): the limiter's whole database work per request."""
+    from tunefleet.platform.db import Tenant, session_scope
+    from tunefleet.platform.inference_limits import Limits, admit, release
+
+    with session_scope(db_url) as s:
+        from sqlalchemy import select
+
+        tenant = s.scalars(select(Tenant.id)).first()
+    assert tenant is not None
+    limits = Limits(requests_per_s=1000, concurrent_requests=16)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        lease = admit(db_url, tenant, "t", limits)
+        assert lease is not None
+        release(db_url, lease)
+        time.sleep(0.001)  # under the rate: every admission is a real one
+    return round(1000 * (time.perf_counter() - t0) / n - 1000 * 0.001, 3)
+
+
+def limiter_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Limiter on against off, each round's pair side by side: the ratio of the medians."""
+    out: dict[str, Any] = {}
+    for key in ("creates_per_s", "chats_per_s", "api_cpu_ms_per_request"):
+        on = [r[key] for r in runs if r["limiter"]]
+        off = [r[key] for r in runs if not r["limiter"]]
+        out[key] = {"on": on, "off": off, "on_over_off": round(
+            statistics.median(on) / statistics.median(off), 3)}  # fmt: skip
+    return out
+
+
 # The code before the hardening issue (#16) added bounds, validation and error handlers
 # to the create path: the side-by-side baseline its acceptance asks for.
 BASELINE = "83dab76"
@@ -365,6 +521,14 @@ def main() -> None:
         help="git revision whose code runs beside this checkout's ('none' to skip)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="runs of each code per backend")
+    parser.add_argument(
+        "--limiter-only",
+        action="store_true",
+        help="only the inference limiter's phase (creates and chats, limiter on and off)",
+    )
+    parser.add_argument(
+        "--mixed-per-client", type=int, default=40, help="requests per client, limiter phase"
+    )
     args = parser.parse_args()
     shape = (args.clients, args.creates_per_client, args.rate, args.duration, args.workers)
     from sqlalchemy import create_engine, text
@@ -375,21 +539,63 @@ def main() -> None:
     if args.baseline != "none":
         codes = {f"baseline {args.baseline}": baseline_tree(args.baseline), **codes}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {"sqlite": {}, "postgresql": {}}
+    limiter_runs: dict[str, list[dict[str, Any]]] = {"sqlite": [], "postgresql": []}
+    limiter_ms: dict[str, float] = {}
     with postgres_cluster(durable=True) as pg_url:
         admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
-        for i in range(args.rounds):  # alternating codes: the machine's drift hits both
+
+        def fresh_pg(name: str) -> str:
+            with admin.connect() as conn:
+                conn.execute(text(f"CREATE DATABASE {name}"))
+            return pg_url.rsplit("/", 1)[0] + "/" + name
+
+        for i in range(args.rounds):  # on and off alternate: the machine's drift hits both
+            for limiter in (False, True) if i % 2 == 0 else (True, False):
+                for kind in ("sqlite", "postgresql"):
+                    url = (
+                        f"sqlite:///{tempfile.mkdtemp(prefix='apiload-')}/load.db"
+                        if kind == "sqlite"
+                        else fresh_pg(f"limiter_{i}_{int(limiter)}")
+                    )
+                    limiter_runs[kind].append(
+                        run_limiter(
+                            kind, url, limiter, args.clients, args.mixed_per_client, args.workers
+                        )
+                    )
+                    if limiter and kind not in limiter_ms:
+                        limiter_ms[kind] = limiter_cost_ms(url)
+        for i in range(0 if args.limiter_only else args.rounds):
             for n, (label, code) in enumerate(codes.items()):
                 sqlite_url = f"sqlite:///{tempfile.mkdtemp(prefix='apiload-')}/load.db"
                 runs["sqlite"].setdefault(label, []).append(
                     run_backend("sqlite", sqlite_url, code, *shape)
                 )
-                name = f"load_{i}_{n}"
-                with admin.connect() as conn:
-                    conn.execute(text(f"CREATE DATABASE {name}"))
                 runs["postgresql"].setdefault(label, []).append(
-                    run_backend("postgresql", pg_url.rsplit("/", 1)[0] + "/" + name, code, *shape)
+                    run_backend("postgresql", fresh_pg(f"load_{i}_{n}"), code, *shape)
                 )
         admin.dispose()
+    limiter = {
+        "what": "creates and chat requests at once (each kind from --clients clients, closed "
+        "loop, over 64 tenants), Serve replaced by bench/instant_serve.py; the inference "
+        "limits at their defaults (20/s, 16 in flight per tenant: none is reached) or off",
+        "summary": {kind: limiter_summary(rs) for kind, rs in limiter_runs.items()},
+        "admit_and_release_ms": limiter_ms,
+        "runs": limiter_runs,
+        "target": "on/off >= 0.95 for creates/s and chats/s; admit and release < 1 ms",
+    }
+    limiter["target_met"] = all(
+        limiter["summary"][kind][key]["on_over_off"] >= 0.95
+        for kind in limiter_runs
+        for key in ("creates_per_s", "chats_per_s")
+    ) and all(ms < 1.0 for ms in limiter_ms.values())
+    if args.limiter_only:
+        dest = ROOT / "bench" / "results" / "api_load_limiter.json"
+        out_limiter = {"benchmark": "api_load --limiter-only", "machine": machine.describe(),
+                       "postgresql": "durable (fsync and synchronous_commit on, the defaults)",
+                       "rounds": args.rounds, "inference_limiter": limiter}  # fmt: skip
+        dest.write_text(json.dumps(out_limiter, indent=2) + "\n")
+        print(json.dumps(out_limiter, indent=2))
+        return
     results = [best(runs[kind]["current"]) for kind in ("sqlite", "postgresql")]
     pg = results[-1]
     out = {
@@ -408,6 +614,7 @@ def main() -> None:
         "target_met": pg["closed_loop"]["creates_per_s"] >= 300 and pg["open_loop"]["p99_ms"] < 100,
         "creates_only_target_met": pg["open_loop_creates_only"]["achieved_per_s"] >= 297
         and pg["open_loop_creates_only"]["p99_ms"] < 100,
+        "inference_limiter": limiter,
         "integrity_ok": all(
             r["lost"] == 0
             and r["duplicated"] == 0

@@ -70,8 +70,10 @@ def test_each_admin_act_through_the_api_leaves_one_entry_with_its_actor(
     assert {(e.actor_key_id, e.via) for e in entries} == {(admin_id, "api")}
     quotas = entries[2]
     assert (quotas.target_type, quotas.target_id, quotas.tenant_id) == ("tenant", tenant, tenant)
-    assert quotas.before == {"max_concurrent_jobs": 4, "max_gpus": 2, "max_waiting_jobs": 100}
-    assert quotas.after == {"max_concurrent_jobs": 4, "max_gpus": 4, "max_waiting_jobs": 100}
+    defaults = {"inference_requests_per_s": None, "inference_concurrent_requests": None}
+    kept = {"max_concurrent_jobs": 4, "max_waiting_jobs": 100, **defaults}
+    assert quotas.before == {**kept, "max_gpus": 2}
+    assert quotas.after == {**kept, "max_gpus": 4}
     revoked = entries[4]
     assert revoked.target_id == key["id"] and revoked.before == {"revoked_at": None}
     assert isinstance((revoked.after or {}).get("revoked_at"), int)

@@ -488,12 +488,14 @@ def test_training_options_are_stored_and_hardware_needs_named(
     assert status == 400 and "'dreambooth'" in err["error"]["message"]
 
 
-def test_a_job_is_stored_in_one_statement_on_postgresql(
+def test_a_job_is_stored_in_one_write_statement_ordered_per_tenant(
     app_client: TestClient, key_a: str, settings: Settings
 ) -> None:
-    """Creation writes the job and its first event in one autocommitted statement on
-    PostgreSQL (no BEGIN/COMMIT round trips), two in a transaction on SQLite; the job and
-    its event are there either way, and an unusable file stores neither."""
+    """Creation writes the job and its first event in one statement on PostgreSQL, in a
+    transaction after the lock on the tenant's row that orders its creates (the waiting
+    cap, ``tests/platform/test_new_job.py``), and in two statements in a transaction on
+    SQLite; the job and its event are there either way, and an unusable file stores
+    neither."""
     url = settings.resolved_database_url
     f = upload_chat(app_client, key_a)
     body = {"model": "tiny-llama", "training_file": f["id"]}
@@ -516,7 +518,7 @@ def test_a_job_is_stored_in_one_statement_on_postgresql(
     finally:
         event.remove(engine, "before_cursor_execute", record)
     if url.startswith("postgresql"):
-        assert made == [("WITH", True)]
+        assert made == [("BEGIN", True), ("SELECT", True), ("WITH", True), ("COMMIT", True)]
     else:
         assert made == [("INSERT", False), ("INSERT", False)]
     assert bad.status_code == 404 and "file-x" in bad.json()["error"]["message"]

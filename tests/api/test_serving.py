@@ -8,6 +8,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from conftest import auth as H
+from conftest import make_tenant
 from tunefleet.platform.db import session_scope
 from tunefleet.platform.serving import serving_config
 from tunefleet.platform.settings import Settings
@@ -15,7 +16,11 @@ from tunefleet.platform.tenants import create_key, create_tenant
 
 
 def test_owner_shares_and_unshares(
-    app_client: TestClient, key_a: str, key_b: str, a_objects: dict[str, Any]
+    app_client: TestClient,
+    settings: Settings,
+    key_a: str,
+    key_b: str,
+    a_objects: dict[str, Any],
 ) -> None:
     model = a_objects["model"]
     shares = f"/v1/models/{model}/shares"
@@ -32,9 +37,20 @@ def test_owner_shares_and_unshares(
     assert app_client.get(shares, headers=H(key_b)).status_code == 404
     resp = app_client.delete(f"{shares}/tenant-b", headers=H(key_b))
     assert resp.status_code == 404
+    # a name no tenant has is answered as one a tenant has, so sharing cannot be used
+    # to learn which tenants exist; the share takes effect if such a tenant is made
+    nobody = app_client.post(shares, json={"tenant": "nobody"}, headers=H(key_a))
+    assert nobody.status_code == 200 and nobody.json()["data"] == ["nobody", "tenant-b"]
+    key_nobody = make_tenant(settings.resolved_database_url, "nobody")
+    assert app_client.get(f"/v1/models/{model}", headers=H(key_nobody)).status_code == 200
+    gone = app_client.delete(f"{shares}/nobody", headers=H(key_a))
+    assert gone.status_code == 200 and gone.json()["data"] == ["tenant-b"]
+    assert app_client.get(f"/v1/models/{model}", headers=H(key_nobody)).status_code == 404
     # bad values are named
-    resp = app_client.post(shares, json={"tenant": "nobody"}, headers=H(key_a))
-    assert resp.status_code == 404 and "'nobody'" in resp.json()["error"]["message"]
+    resp = app_client.post(shares, json={"tenant": "No Such!"}, headers=H(key_a))
+    error = resp.json()["error"]
+    assert resp.status_code == 400 and "'No Such!'" in error["message"]
+    assert error["param"] == "tenant"
     resp = app_client.post(shares, json={"tenant": "tenant-a"}, headers=H(key_a))
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "tenant"
     resp = app_client.post(shares, json={"tenants": "tenant-b"}, headers=H(key_a))

@@ -796,7 +796,7 @@ def test_adapters_page_shares_and_serving_changes(
     )
     assert resharing.status_code == 404 and "of yours" in resharing.text
     for data, status, said in (
-        ({"tenant": "nobody"}, 404, "no tenant named 'nobody'"),
+        ({"tenant": "No Such!"}, 400, "tenant name 'No Such!' is invalid"),
         ({"tenant": "tenant-a"}, 400, "always visible to its own tenant"),
         ({"tenant": "tenant-b", "change": "steal"}, 400, "'steal' is not share or unshare"),
     ):

@@ -307,6 +307,59 @@ def test_upload_train_serve(stack: dict[str, Any], acme_job: dict[str, Any]) -> 
     _merged_then_multiplexed(client, job, chat, stack)
 
 
+def test_inference_limits_hold_on_real_serving(
+    stack: dict[str, Any], acme_job: dict[str, Any]
+) -> None:
+    """Per-tenant inference limits in front of real Ray Serve. With one request of acme's
+    in flight (a 400-token stream, of which the first event has arrived: over a second of
+    generation is left), its next is refused with 429 while globex is answered in the
+    same moment; when the stream ends the slot is free. Over its rate, acme is told how
+    long to wait, and the OpenAI SDK waits that long and is answered."""
+    from openai import OpenAI
+
+    url, admin = stack["url"], auth(stack["keys"]["admin"])
+    acme_h, globex_h = auth(stack["keys"]["acme"]), auth(stack["keys"]["globex"])
+    tenants = httpx.get(f"{url}/v1/admin/tenants", headers=admin).json()["data"]
+    limits = f"{url}/v1/admin/tenants/" + next(t["id"] for t in tenants if t["name"] == "acme")
+    question = [{"role": "user", "content": "what is a banana"}]
+    short = {"model": acme_job["job"]["fine_tuned_model"], "max_tokens": 8, "messages": question}
+    long = {"model": TINY, "max_tokens": 400, "messages": question, "stream": True}
+
+    def chat(headers: dict[str, str], body: dict[str, Any] = short) -> httpx.Response:
+        return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+    try:
+        resp = httpx.patch(limits, json={"inference_concurrent_requests": 1}, headers=admin)
+        assert resp.status_code == 200, resp.text
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json=long, headers=acme_h, timeout=60
+        ) as stream:
+            chunks = stream.iter_raw()
+            assert stream.status_code == 200 and next(chunks).startswith(b"data: ")
+            refused = chat(acme_h)
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+            assert "1 inference requests in flight" in refused.json()["error"]["message"]
+            assert chat(globex_h, {**short, "model": TINY}).status_code == 200
+            rest = b"".join(chunks)
+        assert rest.endswith(b"data: [DONE]\n\n")
+        assert chat(acme_h).status_code == 200
+
+        changed = {"inference_concurrent_requests": None, "inference_requests_per_s": 1}
+        assert httpx.patch(limits, json=changed, headers=admin).status_code == 200
+        time.sleep(1.0)  # the first limit's requests have left the new bucket
+        answers = [chat(acme_h), chat(acme_h)]
+        assert [a.status_code for a in answers] == [200, 429]
+        assert 0 < int(answers[1].headers["retry-after-ms"]) <= 1000
+        assert chat(globex_h, {**short, "model": TINY}).status_code == 200
+        sdk = OpenAI(base_url=url + "/v1", api_key=stack["keys"]["acme"], max_retries=2)
+        out = sdk.chat.completions.create(model=short["model"], messages=question, max_tokens=8)
+        assert out.choices[0].message.content
+    finally:
+        back = {"inference_concurrent_requests": None, "inference_requests_per_s": None}
+        assert httpx.patch(limits, json=back, headers=admin).status_code == 200
+
+
 def test_serve_answers_the_api_alone_and_no_run_holds_database_credentials(
     stack: dict[str, Any], acme_job: dict[str, Any]
 ) -> None:

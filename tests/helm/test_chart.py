@@ -133,6 +133,8 @@ def test_values_schema_refuses_unknown_keys_and_wrong_types() -> None:
         ("api.workers=0", "api.workers"),
         ("serve.proxyLocation=Everywhere", "proxyLocation"),
         ("api.forwardedAllowIps=the-ingress", "forwardedAllowIps"),  # addresses, not names
+        ("api.inferenceLimits.requestsPerSecond=5000", "requestsPerSecond"),  # MAX_RATE
+        ("api.inferenceLimits.concurrentRequests=-1", "concurrentRequests"),
     ):
         out = helm(
             "template", "t", str(CHART), "-f", str(variant("minimal")),
@@ -502,6 +504,20 @@ def test_the_api_believes_its_ingress_about_the_scheme_and_no_one_else_without_o
     assert believed() == "*"  # the ingress's pods, wherever they run
     assert believed("api.forwardedAllowIps=10.2.0.0/16") == "10.2.0.0/16"
     assert believed("api.ingress.enabled=false") == "127.0.0.1"
+
+
+def test_the_api_gets_the_inference_limits() -> None:
+    def limits(*sets: str) -> tuple[str, str]:
+        objects = render(variant("minimal"), *sets) if sets else rendered(variant("minimal"))
+        env = {e["name"]: e for e in container(find(objects, "Deployment", "-api"), "api")["env"]}
+        return (
+            str(env["TUNEFLEET_INFERENCE_REQUESTS_PER_S"]["value"]),
+            str(env["TUNEFLEET_INFERENCE_CONCURRENT_REQUESTS"]["value"]),
+        )
+
+    assert limits() == ("20", "16")  # the API's own defaults (settings.py)
+    assert limits("api.inferenceLimits.requestsPerSecond=5") == ("5", "16")
+    assert limits("api.inferenceLimits.concurrentRequests=0") == ("20", "0")
 
 
 def test_the_readme_installs_with_the_minimal_values_the_tests_render() -> None:

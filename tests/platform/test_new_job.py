@@ -5,11 +5,15 @@ when a file is unusable or the tenant's waiting jobs are at its cap, and write o
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import hypothesis
 import pytest
-from sqlalchemy import event, func, select
+from hypothesis import strategies as st
+from sqlalchemy import event, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -144,6 +148,55 @@ def test_nothing_is_stored_past_the_waiting_cap(
     with pytest.raises(QuotaExceeded, match="has 2 jobs waiting to run"):
         _create(session, settings, capped, REQUEST)
     assert _counts(settings) == (2, 2)
+
+
+CONCURRENT = 32
+
+
+@hypothesis.settings(
+    max_examples=5,
+    deadline=None,
+    suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
+)
+@hypothesis.given(cap=st.integers(1, 40), already=st.integers(0, 40))
+def test_the_waiting_cap_holds_under_32_concurrent_creates(
+    settings: Settings, tenant: Principal, session: Session, cap: int, already: int
+) -> None:
+    """With ``already`` jobs waiting, 32 creates at once from the tenant store exactly as
+    many as its cap leaves room for, and refuse the others with 429: on PostgreSQL each
+    create counts every job created before it (its row lock orders them), not only those
+    committed when it began."""
+    hypothesis.assume(already <= cap)
+    url = settings.resolved_database_url
+    with session_scope(url) as s:  # the examples before this one are cancelled
+        s.execute(update(Job).values(status="cancelled"))
+    capped = dataclasses.replace(tenant, max_waiting_jobs=cap)
+    for _ in range(already):
+        _create(session, settings, capped, REQUEST)
+    start = threading.Barrier(CONCURRENT)
+
+    def create(_: int) -> str:
+        with single_statement_sessions(url)() as s:
+            start.wait()
+            try:
+                _create(s, settings, capped, REQUEST)
+            except QuotaExceeded as exc:
+                assert exc.code == "too_many_waiting_jobs", exc
+                return "refused"
+            return "stored"
+
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        answers = list(pool.map(create, range(CONCURRENT)))
+    room = min(CONCURRENT, cap - already)
+    assert answers.count("stored") == room, (cap, already, answers)
+    assert answers.count("refused") == CONCURRENT - room
+    with session_scope(url) as s:
+        waiting = s.scalar(
+            select(func.count())
+            .select_from(Job)
+            .where(Job.status.in_(("validating_files", "queued")))
+        )
+    assert waiting == already + room
 
 
 def test_an_idempotency_key_clash_stores_nothing(

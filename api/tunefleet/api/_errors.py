@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +16,7 @@ from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
-from tunefleet.platform.errors import TuneFleetError
+from tunefleet.platform.errors import RateLimited, TuneFleetError
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +69,19 @@ def too_large_response(exc: RequestTooLarge) -> JSONResponse:
 
 
 def domain_error_response(exc: TuneFleetError) -> JSONResponse:
+    headers: dict[str, str] | None
+    if isinstance(exc, RateLimited):
+        # the OpenAI SDKs wait retry-after-ms where given, else Retry-After (whole seconds)
+        headers = {
+            "Retry-After": str(max(1, math.ceil(exc.retry_after_s))),
+            "retry-after-ms": str(max(1, math.ceil(exc.retry_after_s * 1000))),
+        }
+    else:
+        headers = retry_headers(exc.status_code)
     return JSONResponse(
         status_code=exc.status_code,
         content=error_body(exc.message, exc.error_type, exc.param, exc.code),
-        headers=retry_headers(exc.status_code),
+        headers=headers,
     )
 
 

@@ -71,6 +71,23 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return out
 
 
+def rate_limited() -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` entry of a route under the tenant's inference limits: a 429 a
+    client should retry after the wait it names."""
+    wait = {"schema": {"type": "string"}}
+    return {
+        429: {
+            "model": ErrorResponse,
+            "description": "Over the tenant's inference requests per second or requests in "
+            "flight (type `requests`, code `rate_limit_exceeded`); retry after the wait.",
+            "headers": {
+                "Retry-After": {"description": "Whole seconds to wait.", **wait},
+                "retry-after-ms": {"description": "Milliseconds to wait.", **wait},
+            },
+        }
+    }
+
+
 def _shared_errors(method: str, path: str, operation: dict[str, Any]) -> list[int]:
     """What any operation answers, by what it takes: a key (401 for a bad one; 503 when
     the database, which the key is checked in, is away), parameters or a body (400), a

@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import anyio.to_thread
 import httpx
 from fastapi import FastAPI, Header
 from fastapi.responses import JSONResponse, Response
@@ -20,6 +21,7 @@ from tunefleet.api.routes import admin, files, inference, jobs, models, plans
 from tunefleet.api.ui import install as install_dashboard
 from tunefleet.platform.db import session_scope
 from tunefleet.platform.errors import Unauthenticated
+from tunefleet.platform.inference_limits import flush as flush_leases
 from tunefleet.platform.metrics import exposition, scrape_allowed
 from tunefleet.platform.settings import Settings, get_settings
 
@@ -27,9 +29,12 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.asynccontextmanager
-async def _lifespan(_: FastAPI) -> AsyncIterator[None]:
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
     await inference.close_serve_client()
+    # finished requests' inference slots, queued for deletion, are freed now rather than
+    # when their leases expire
+    await anyio.to_thread.run_sync(flush_leases, app.state.settings.resolved_database_url)
 
 
 def server_options(settings: Settings) -> dict[str, Any]:

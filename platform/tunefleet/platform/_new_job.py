@@ -6,16 +6,19 @@ and a check-then-insert cost more round trips than the bar allows.
 One conditional insert stores the job only where its files are usable (the tenant's,
 purpose ``fine-tune``, processed, data a supervised job trains on) and the tenant has
 fewer than ``waiting_cap`` jobs waiting: no separate check to race with a file's
-deletion, and no round trip for it. (Concurrent creates of one tenant each count the
-others' committed jobs only: the cap may be passed by the creates in flight.) It returns
-the stored row, so the API answers with what the database holds.
+deletion, and no round trip for it. It returns the stored row, so the API answers with
+what the database holds.
 
-Atomic whatever the session's mode:
-- PostgreSQL: one statement. The job's insert is a CTE, the event's insert a second CTE
-  reading the first, the outer SELECT returns the job; a statement is its own transaction
-  even in autocommit (``db.single_statement_sessions``: no BEGIN/COMMIT round trips).
-- SQLite: the same job insert, then the event's, in the session's transaction (SQLite
-  sessions are never autocommit, and a statement there costs no round trip).
+Atomic, and the cap exact under concurrent creates, on both databases:
+- PostgreSQL: the job's insert is a CTE, the event's insert a second CTE reading the
+  first, the outer SELECT returns the job. READ COMMITTED takes its snapshot per
+  statement, so concurrent creates of one tenant would each count only the jobs committed
+  before they began, and pass the cap by the number in flight. So the statement runs in a
+  short transaction after a statement that locks the tenant's row: one tenant's creates
+  follow each other, each counting every job created before it; other tenants' creates
+  do not wait (``tests/platform/test_new_job.py``, 32 concurrent creates at the cap).
+- SQLite: the same job insert, then the event's, in the session's transaction. SQLite
+  runs one write transaction at a time, so the count is exact there already.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any, TypedDict
 from sqlalchemy import Executable, Row, and_, bindparam, exists, func, insert, select
 from sqlalchemy.orm import Session
 
-from tunefleet.platform.db import File, Job, JobEvent
+from tunefleet.platform.db import File, Job, JobEvent, Tenant
 from tunefleet.platform.status import JobStatus
 
 # Jobs that wait to run, which a tenant's ``max_waiting_jobs`` caps.
@@ -100,10 +103,31 @@ def insert_job(
     params.update({f"event_{k}": v for k, v in event.items()})
     params.update({f"file_{param}": file_id for param, file_id in files.items()})
     params["waiting_cap"] = waiting_cap
-    row = conn.execute(_statement(postgres, tuple(files), preference), params).first()
-    if row is not None and not postgres:
+    statement = _statement(postgres, tuple(files), preference)
+    lock = {"tenant": job["tenant_id"]}
+    if postgres and conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+        # the API's sessions (db.single_statement_sessions) begin no transaction: this
+        # one is spelled out
+        conn.exec_driver_sql("BEGIN")
+        try:
+            conn.execute(_LOCK_TENANT, lock)
+            row = conn.execute(statement, params).first()
+        except BaseException:
+            conn.exec_driver_sql("ROLLBACK")
+            raise
+        conn.exec_driver_sql("COMMIT")
+        return row
+    if postgres:
+        conn.execute(_LOCK_TENANT, lock)
+        return conn.execute(statement, params).first()
+    row = conn.execute(statement, params).first()
+    if row is not None:
         conn.execute(_event_insert(), params)
     return row
+
+
+# Orders one tenant's creates on PostgreSQL (see the module's docstring).
+_LOCK_TENANT = select(Tenant.id).where(Tenant.id == bindparam("tenant")).with_for_update()
 
 
 @lru_cache(maxsize=8)

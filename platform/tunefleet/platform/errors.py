@@ -65,6 +65,20 @@ class QuotaExceeded(TuneFleetError):
     default_code = "quota_exceeded"
 
 
+class RateLimited(TuneFleetError):
+    """Over a rate or concurrency limit: 429 with ``Retry-After``, in the shape OpenAI
+    answers its rate limits with (type ``requests``, code ``rate_limit_exceeded``). Unlike
+    a quota, waiting helps, so clients may retry after ``retry_after_s``."""
+
+    status_code = 429
+    error_type = "requests"
+    default_code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: float, param: str | None = None):
+        super().__init__(message, param=param)
+        self.retry_after_s = retry_after_s
+
+
 class Unavailable(TuneFleetError):
     status_code = 503
     error_type = "server_error"

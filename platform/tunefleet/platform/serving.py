@@ -22,6 +22,7 @@ from tunefleet.platform.db import Adapter, AdapterShare, Checkpoint, Job, Tenant
 from tunefleet.platform.errors import InvalidRequest, NotFound
 from tunefleet.platform.serving_contract import checkpoint_adapter_id
 from tunefleet.platform.spec import fine_tuned_model_name
+from tunefleet.platform.tenants import check_tenant_name
 
 ServingMode = Literal["multiplexed", "merged"]
 
@@ -109,7 +110,11 @@ def set_serving(
 
 
 def _shared_with(tenant_id: str) -> Any:
-    return select(AdapterShare.adapter_id).where(AdapterShare.tenant_id == tenant_id)
+    return (
+        select(AdapterShare.adapter_id)
+        .join(Tenant, Tenant.name == AdapterShare.tenant_name)
+        .where(Tenant.id == tenant_id)
+    )
 
 
 def visible_adapter(session: Session, tenant_id: str, name: str) -> Adapter | None:
@@ -184,32 +189,31 @@ def owned_adapter(session: Session, tenant_id: str, name: str) -> Adapter:
 
 
 def shares(session: Session, adapter: Adapter) -> list[str]:
-    """Names of the tenants an adapter is shared with."""
+    """Names of the tenants an adapter is shared with (whether or not they exist)."""
     return list(
         session.scalars(
-            select(Tenant.name)
-            .join(AdapterShare, AdapterShare.tenant_id == Tenant.id)
+            select(AdapterShare.tenant_name)
             .where(AdapterShare.adapter_id == adapter.id)
-            .order_by(Tenant.name)
+            .order_by(AdapterShare.tenant_name)
         )
     )
 
 
 def share(session: Session, adapter: Adapter, tenant_name: str) -> None:
-    """Let tenant ``tenant_name`` call ``adapter`` (idempotent)."""
-    tenant = session.scalar(select(Tenant).where(Tenant.name == tenant_name))
-    if tenant is None:
-        raise NotFound(f"no tenant named {tenant_name!r}", param="tenant")
-    if tenant.id == adapter.tenant_id:
+    """Let tenant ``tenant_name`` call ``adapter`` (idempotent). The share is kept whether
+    or not such a tenant exists, and takes effect when one does: the answer is the same
+    either way, so an owner cannot probe which tenant names exist."""
+    check_tenant_name(tenant_name, param="tenant")
+    owner = session.scalar(select(Tenant.name).where(Tenant.id == adapter.tenant_id))
+    if tenant_name == owner:
         raise InvalidRequest("an adapter is always visible to its own tenant", param="tenant")
-    if session.get(AdapterShare, (adapter.id, tenant.id)) is None:
-        session.add(AdapterShare(adapter_id=adapter.id, tenant_id=tenant.id))
+    if session.get(AdapterShare, (adapter.id, tenant_name)) is None:
+        session.add(AdapterShare(adapter_id=adapter.id, tenant_name=tenant_name))
         session.flush()
 
 
 def unshare(session: Session, adapter: Adapter, tenant_name: str) -> None:
-    tenant_id = session.scalar(select(Tenant.id).where(Tenant.name == tenant_name))
-    row = session.get(AdapterShare, (adapter.id, tenant_id)) if tenant_id else None
+    row = session.get(AdapterShare, (adapter.id, tenant_name))
     if row is None:
         raise NotFound(
             f"model {adapter.name!r} is not shared with a tenant named {tenant_name!r}",

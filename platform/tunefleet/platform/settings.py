@@ -179,6 +179,20 @@ class Settings(BaseSettings):
         gt=0,
         description="Largest body of /v1/chat/completions and /v1/completions, in bytes.",
     )
+    inference_requests_per_s: float = Field(
+        default=20.0,
+        ge=0,
+        le=1000,
+        description="Each tenant's inference requests per second (chat and completions, "
+        "every API replica together; bursts of one second's worth), unless an admin set "
+        "the tenant its own. 0: no limit. Over it: 429 with Retry-After.",
+    )
+    inference_concurrent_requests: int = Field(
+        default=16,
+        ge=0,
+        description="Each tenant's inference requests in flight at once (every API "
+        "replica together), unless an admin set the tenant its own. 0: no limit.",
+    )
     node_types: tuple[NodeTypeSetting, ...] = Field(
         default=(),
         description="The node types the Ray cluster's autoscaler can add, a JSON list of "

@@ -37,6 +37,9 @@ class Principal:
     is_admin: bool
     max_gpus: int = 0
     max_waiting_jobs: int = 100
+    # the tenant's own inference limits; None: the operator's defaults
+    inference_requests_per_s: float | None = None
+    inference_concurrent_requests: int | None = None
 
 
 def _hash(secret: str) -> str:
@@ -50,14 +53,12 @@ def create_tenant(
     max_concurrent_jobs: int = 4,
     max_gpus: int = 8,
     max_waiting_jobs: int = 100,
+    inference_requests_per_s: float | None = None,
+    inference_concurrent_requests: int | None = None,
     actor: Actor | None = None,
 ) -> Tenant:
     """A new tenant; recorded in the audit log as ``actor``'s act when given."""
-    if not _NAME_RE.match(name):
-        raise InvalidRequest(
-            f"tenant name {name!r} is invalid; use 1-63 lowercase letters, digits and '-'",
-            param="name",
-        )
+    check_tenant_name(name, param="name")
     if session.scalar(select(Tenant).where(Tenant.name == name)) is not None:
         raise Conflict(f"tenant {name!r} already exists", param="name")
     tenant = Tenant(
@@ -67,6 +68,8 @@ def create_tenant(
         max_concurrent_jobs=max_concurrent_jobs,
         max_gpus=max_gpus,
         max_waiting_jobs=max_waiting_jobs,
+        inference_requests_per_s=inference_requests_per_s,
+        inference_concurrent_requests=inference_concurrent_requests,
     )
     session.add(tenant)
     session.flush()
@@ -83,8 +86,17 @@ def create_tenant(
     return tenant
 
 
-def _quotas(tenant: Tenant) -> dict[str, int]:
-    return {name: getattr(tenant, name) for name in QUOTAS}
+def check_tenant_name(name: str, *, param: str) -> None:
+    """Raise 400 unless ``name`` is a well-formed tenant name (request parameter ``param``)."""
+    if not _NAME_RE.match(name):
+        raise InvalidRequest(
+            f"tenant name {name!r} is invalid; use 1-63 lowercase letters, digits and '-'",
+            param=param,
+        )
+
+
+def _quotas(tenant: Tenant) -> dict[str, float | None]:
+    return {name: getattr(tenant, name) for name in (*QUOTAS, *INFERENCE_LIMITS)}
 
 
 def create_key(
@@ -187,6 +199,8 @@ def _principal(session: Session, key: ApiKey) -> Principal:
         is_admin=key.is_admin,
         max_gpus=tenant.max_gpus,
         max_waiting_jobs=tenant.max_waiting_jobs,
+        inference_requests_per_s=tenant.inference_requests_per_s,
+        inference_concurrent_requests=tenant.inference_concurrent_requests,
     )
 
 
@@ -203,6 +217,8 @@ def ensure_bootstrap_tenant(session: Session, name: str = "default") -> str | No
 # -- administration (the admin REST routes and the dashboard's admin page) ------------------
 
 QUOTAS = ("max_concurrent_jobs", "max_gpus", "max_waiting_jobs")
+# Quotas that may be None: the operator's default (settings) applies.
+INFERENCE_LIMITS = ("inference_requests_per_s", "inference_concurrent_requests")
 
 
 def get_tenant(session: Session, tenant_id: str) -> Tenant:
@@ -221,14 +237,19 @@ def active_jobs_by_tenant(session: Session) -> dict[str, int]:
 
 
 def set_quotas(
-    session: Session, tenant_id: str, *, actor: Actor | None = None, **quotas: int
+    session: Session, tenant_id: str, *, actor: Actor | None = None, **quotas: float | None
 ) -> Tenant:
-    """Change a tenant's ``QUOTAS`` (those given); its keys' cached principals, which
+    """Change a tenant's ``QUOTAS`` and ``INFERENCE_LIMITS`` (those given; None for an
+    inference limit: the operator's default again); its keys' cached principals, which
     carry the old ones, are forgotten. Recorded, with the quotas before and after, as
     ``actor``'s act when given."""
-    unknown = set(quotas) - set(QUOTAS)
+    known = (*QUOTAS, *INFERENCE_LIMITS)
+    unknown = set(quotas) - set(known)
     if unknown:
-        raise InvalidRequest(f"{sorted(unknown)} are not quotas; use {', '.join(QUOTAS)}")
+        raise InvalidRequest(f"{sorted(unknown)} are not quotas; use {', '.join(known)}")
+    for name in QUOTAS:
+        if name in quotas and quotas[name] is None:
+            raise InvalidRequest(f"{name} must be a number, not null", param=name)
     tenant = get_tenant(session, tenant_id)
     before = _quotas(tenant)
     for name, value in quotas.items():

@@ -30,6 +30,7 @@ from tunefleet.platform import audit, tenants, webhooks
 from tunefleet.platform.audit import Actor
 from tunefleet.platform.db import Adapter, Job, Tenant
 from tunefleet.platform.errors import Forbidden
+from tunefleet.platform.inference_limits import MAX_RATE
 from tunefleet.platform.jobs import job_view
 from tunefleet.platform.serving import ServingMode, describe, set_serving
 from tunefleet.platform.tenants import (
@@ -55,6 +56,10 @@ AdminDep = Annotated[Principal, Depends(require_admin)]
 router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=errors(403))
 
 
+_RPS = "Inference requests per second; null: the operator's default; 0: no limit."
+_CONCURRENT = "Inference requests in flight at once; null: the operator's default; 0: no limit."
+
+
 class TenantCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(description="1-63 lowercase letters, digits and '-'.")
@@ -63,6 +68,12 @@ class TenantCreate(BaseModel):
     max_waiting_jobs: int = Field(
         default=100, ge=0, le=1_000_000, description="Jobs validating or queued at once."
     )
+    inference_requests_per_s: float | None = Field(
+        default=None, ge=0, le=MAX_RATE, description=_RPS
+    )
+    inference_concurrent_requests: int | None = Field(
+        default=None, ge=0, le=1_000_000, description=_CONCURRENT
+    )
 
 
 class TenantUpdate(BaseModel):
@@ -70,6 +81,12 @@ class TenantUpdate(BaseModel):
     max_concurrent_jobs: int | None = Field(default=None, ge=0, le=10_000)
     max_gpus: int | None = Field(default=None, ge=0, le=100_000)
     max_waiting_jobs: int | None = Field(default=None, ge=0, le=1_000_000)
+    inference_requests_per_s: float | None = Field(
+        default=None, ge=0, le=MAX_RATE, description=_RPS
+    )
+    inference_concurrent_requests: int | None = Field(
+        default=None, ge=0, le=1_000_000, description=_CONCURRENT
+    )
 
 
 class KeyCreate(BaseModel):
@@ -87,6 +104,8 @@ def tenant_view(t: Tenant, active_jobs: int = 0) -> dict[str, Any]:
         "max_concurrent_jobs": t.max_concurrent_jobs,
         "max_gpus": t.max_gpus,
         "max_waiting_jobs": t.max_waiting_jobs,
+        "inference_requests_per_s": t.inference_requests_per_s,
+        "inference_concurrent_requests": t.inference_concurrent_requests,
         "active_jobs": active_jobs,
     }
 
@@ -107,6 +126,8 @@ def add_tenant(body: TenantCreate, session: SessionDep, admin: AdminDep) -> dict
         max_concurrent_jobs=body.max_concurrent_jobs,
         max_gpus=body.max_gpus,
         max_waiting_jobs=body.max_waiting_jobs,
+        inference_requests_per_s=body.inference_requests_per_s,
+        inference_concurrent_requests=body.inference_concurrent_requests,
         actor=actor,
     )
     key, plaintext = create_key(session, tenant.id, name="initial", actor=actor)
@@ -119,7 +140,8 @@ def update_tenant(
     tenant_id: str, body: TenantUpdate, session: SessionDep, admin: AdminDep
 ) -> dict[str, Any]:
     actor = Actor.of(admin, "api")
-    tenant = set_quotas(session, tenant_id, actor=actor, **body.model_dump(exclude_none=True))
+    # a limit sent as null goes back to the operator's default; one not sent is unchanged
+    tenant = set_quotas(session, tenant_id, actor=actor, **body.model_dump(exclude_unset=True))
     session.commit()
     return tenant_view(tenant)
 

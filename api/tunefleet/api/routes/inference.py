@@ -19,9 +19,10 @@ from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.orm import Session
 
 from tunefleet.api._deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep, StoreDep
-from tunefleet.api._openapi import errors, ok
+from tunefleet.api._openapi import errors, ok, rate_limited
 from tunefleet.platform.artifacts import Store
 from tunefleet.platform.errors import InvalidRequest, NotFound, Unavailable
+from tunefleet.platform.inference_limits import Lease, Limits, admit, release
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.serving import visible_adapter, visible_checkpoint
 from tunefleet.platform.serving_contract import (
@@ -86,7 +87,8 @@ _COMPLETION_BODY: dict[str, Any] = {
         "max_tokens": {"type": "integer", "minimum": 1},
     },
 }
-# Without Ray, or before a base model's first adapter is ready, serving answers 503.
+# Without Ray, or before a base model's first adapter is ready, serving answers 503; over
+# the tenant's inference limits (platform/inference_limits.py), 429.
 _ANSWERS = {
     **ok(
         {
@@ -98,6 +100,7 @@ _ANSWERS = {
         "The completion from Serve (or its server-sent events with stream: true).",
     ),
     **errors(404, 503),
+    **rate_limited(),
 }
 
 
@@ -224,10 +227,58 @@ async def forward(
             "'model' is required: a base model or a fine_tuned_model name", param="model"
         )
     # a checkpoint's existence is a round trip to object storage: off the event loop
-    base, adapter_id = await anyio.to_thread.run_sync(
-        _resolve, model, session, principal, registry, store
+    base, adapter_id, lease = await anyio.to_thread.run_sync(
+        _resolve_and_admit, model, session, principal, registry, store, settings
     )
+    return await _send(path, body, base, adapter_id, settings, lease)
+
+
+def _resolve_and_admit(
+    model: str,
+    session: Session,
+    principal: Principal,
+    registry: ModelRegistry,
+    store: Store,
+    settings: Settings,
+) -> tuple[str, str, Lease | None]:
+    """``_resolve``, then admission under the tenant's inference limits (or 429): a model
+    the caller may not call is a 404 whatever its limits, and uses none of them."""
+    base, adapter_id = _resolve(model, session, principal, registry, store)
     session.close()  # a long generation must not hold a database connection
+    lease = admit(
+        settings.resolved_database_url,
+        principal.tenant_id,
+        principal.tenant_name,
+        inference_limits(principal, settings),
+    )
+    return base, adapter_id, lease
+
+
+def inference_limits(principal: Principal, settings: Settings) -> Limits:
+    """The caller's tenant's limits: its own where an admin set them, else the defaults."""
+    rate, slots = principal.inference_requests_per_s, principal.inference_concurrent_requests
+    return Limits(
+        settings.inference_requests_per_s if rate is None else rate,
+        settings.inference_concurrent_requests if slots is None else slots,
+    )
+
+
+def _release(settings: Settings, lease: Lease | None) -> None:
+    """Give the request's slot back (queued: no I/O here, see ``inference_limits``)."""
+    if lease is not None:
+        release(settings.resolved_database_url, lease)
+
+
+async def _send(
+    path: str,
+    body: dict[str, Any],
+    base: str,
+    adapter_id: str,
+    settings: Settings,
+    lease: Lease | None,
+) -> Response:
+    """Serve's answer to ``body``. ``lease`` is released when the answer has ended: a
+    streamed one when its relay ends, any other once read or failed."""
     url = f"{settings.serve_url}{route_prefix(base)}/v1/{path}"
     headers = {SECRET_HEADER: serve_secret(settings)}
     if adapter_id:
@@ -237,12 +288,15 @@ async def forward(
         resp = await client.send(
             client.build_request("POST", url, json=body, headers=headers), stream=True
         )
-    except httpx.TransportError as exc:
-        raise Unavailable(
-            f"serving for base model {base!r} is not reachable at "
-            f"{settings.serve_url} ({type(exc).__name__}); is `tunefleet up` "
-            "running?"
-        ) from exc
+    except BaseException as exc:
+        _release(settings, lease)
+        if isinstance(exc, httpx.TransportError):
+            raise Unavailable(
+                f"serving for base model {base!r} is not reachable at "
+                f"{settings.serve_url} ({type(exc).__name__}); is `tunefleet up` "
+                "running?"
+            ) from exc
+        raise
     if resp.headers.get("content-type", "").startswith("text/event-stream"):
 
         async def relay() -> AsyncIterator[bytes]:
@@ -251,12 +305,14 @@ async def forward(
                     yield chunk
             finally:
                 await resp.aclose()
+                _release(settings, lease)
 
         return StreamingResponse(relay(), media_type="text/event-stream")
     try:
         content = await resp.aread()
     finally:
         await resp.aclose()
+        _release(settings, lease)
     if resp.status_code in (401, 403):  # Serve refused the API itself, not the caller
         raise Unavailable(
             f"serving for base model {base!r} refused the API's secret: set the same "

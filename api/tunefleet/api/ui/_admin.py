@@ -50,7 +50,7 @@ def _admin(viewer: Viewer) -> Viewer:
     return viewer
 
 
-def _context(session: Session, viewer: Viewer, **more: Any) -> dict[str, Any]:
+def _context(request: Request, session: Session, viewer: Viewer, **more: Any) -> dict[str, Any]:
     keys: dict[str, list[ApiKey]] = {}
     for key in session.scalars(select(ApiKey).order_by(ApiKey.created_at.desc(), ApiKey.id)):
         keys.setdefault(key.tenant_id, []).append(key)
@@ -64,6 +64,7 @@ def _context(session: Session, viewer: Viewer, **more: Any) -> dict[str, Any]:
         "active": active_jobs_by_tenant(session),
         "keys": keys,
         "quotas": QUOTAS,
+        "defaults": request.app.state.settings,  # the inference limits' defaults
         "problem": "",
         "done": "",
         **more,
@@ -79,7 +80,7 @@ def _refused(request: Request, session: Session, viewer: Viewer, exc: Exception)
     else:
         assert isinstance(exc, TuneFleetError)
         message, status = exc.message, exc.status_code
-    return page(request, "admin.html", _context(session, viewer, problem=message), status)
+    return page(request, "admin.html", _context(request, session, viewer, problem=message), status)
 
 
 def _shown_once(
@@ -93,7 +94,8 @@ def _shown_once(
 def admin_page(
     request: Request, viewer: ViewerDep, session: SessionDep, done: str = ""
 ) -> HTMLResponse:
-    return page(request, "admin.html", _context(session, _admin(viewer), done=DONE.get(done, "")))
+    context = _context(request, session, _admin(viewer), done=DONE.get(done, ""))
+    return page(request, "admin.html", context)
 
 
 @router.post("/tenants")
@@ -138,23 +140,30 @@ def change_quotas(
     max_concurrent_jobs: Text = "",
     max_gpus: Text = "",
     max_waiting_jobs: Text = "",
+    inference_requests_per_s: Text = "",
+    inference_concurrent_requests: Text = "",
 ) -> Response:
     _admin(viewer)
     sent = {"max_concurrent_jobs": max_concurrent_jobs, "max_gpus": max_gpus,
             "max_waiting_jobs": max_waiting_jobs}  # fmt: skip
+    # an inference limit left empty is the operator's default
+    limits = {
+        "inference_requests_per_s": inference_requests_per_s.strip() or None,
+        "inference_concurrent_requests": inference_concurrent_requests.strip() or None,
+    }
     try:
-        body = TenantUpdate.model_validate({k: v.strip() for k, v in sent.items() if v.strip()})
+        body = TenantUpdate.model_validate(
+            {**{k: v.strip() for k, v in sent.items() if v.strip()}, **limits}
+        )
+        changes = body.model_dump(exclude_unset=True)
         tenant = set_quotas(
-            session,
-            tenant_id,
-            actor=Actor.of(viewer.principal, "dashboard"),
-            **body.model_dump(exclude_none=True),
+            session, tenant_id, actor=Actor.of(viewer.principal, "dashboard"), **changes
         )
         session.commit()
     except (ValidationError, TuneFleetError) as exc:
         return _refused(request, session, viewer, exc)
     log.info("admin key %s set quotas of tenant %s: %s", viewer.principal.key_id, tenant.id,
-             body.model_dump(exclude_none=True))  # fmt: skip
+             changes)  # fmt: skip
     return RedirectResponse(f"{PREFIX}/admin?done=quotas#tenant-{tenant.id}", status_code=303)
 
 

@@ -9,7 +9,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -31,6 +42,9 @@ class Tenant(Base):
     max_gpus: Mapped[int] = mapped_column(Integer, default=8)
     # jobs in validating_files or queued at once; creating one more answers 429
     max_waiting_jobs: Mapped[int] = mapped_column(Integer, default=100)
+    # inference limits of this tenant; None: the operator's defaults (settings), 0: none
+    inference_requests_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    inference_concurrent_requests: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class ApiKey(Base):
@@ -172,17 +186,41 @@ class Adapter(Base):
 
 
 class AdapterShare(Base):
-    """Another tenant that may call an adapter (read-only: it cannot change or share it)."""
+    """Another tenant that may call an adapter (read-only: it cannot change or share it),
+    by name: a share names a tenant whether or not one exists (it takes effect once one
+    does), so that sharing does not tell the owner which tenant names exist."""
 
     __tablename__ = "adapter_shares"
 
     adapter_id: Mapped[str] = mapped_column(
         ForeignKey("adapters.id", ondelete="CASCADE"), primary_key=True
     )
-    tenant_id: Mapped[str] = mapped_column(
-        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True, index=True
-    )
+    tenant_name: Mapped[str] = mapped_column(String(64), primary_key=True, index=True)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class InferenceBucket(Base):
+    """A tenant's inference rate state (``platform/inference_limits.py``): the theoretical
+    arrival time of its next request, in Unix seconds. Its row lock also serialises the
+    tenant's admissions."""
+
+    __tablename__ = "inference_buckets"
+
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    tat: Mapped[float] = mapped_column(Float)
+
+
+class InferenceLease(Base):
+    """One inference request in flight, until its answer ends or ``expires_at``."""
+
+    __tablename__ = "inference_leases"
+    __table_args__ = (Index("ix_inference_leases_tenant", "tenant_id", "expires_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    expires_at: Mapped[float] = mapped_column(Float)
 
 
 class EndedUiSession(Base):
