@@ -319,6 +319,43 @@ def test_the_rate_admits_a_burst_then_one_request_per_interval(
     assert admit(url, tenant, "clocked", slots) is not None
 
 
+def test_a_changed_rate_starts_with_a_full_burst(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant that used its allowance at 1 request per second, then raised to 20 by an
+    admin, gets the new rate's whole burst at once: the bucket paced at the old rate is
+    started afresh (kept, its arrival time a second ahead refused the first second of
+    the new burst). An unchanged rate keeps its bucket: a quota change elsewhere refills
+    nothing."""
+    from tunefleet.platform.tenants import create_tenant, set_quotas
+
+    url = settings.resolved_database_url
+    with session_scope(url) as s:
+        tenant = create_tenant(s, "raised").id
+    clock = [2_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+
+    def burst(rate: float) -> int:
+        admitted = 0
+        for _ in range(25):
+            try:
+                admit(url, tenant, "raised", Limits(requests_per_s=rate, concurrent_requests=0))
+                admitted += 1
+            except RateLimited:
+                break
+        return admitted
+
+    with session_scope(url) as s:
+        set_quotas(s, tenant, inference_requests_per_s=1)
+    assert burst(1) == 1
+    with session_scope(url) as s:
+        set_quotas(s, tenant, max_waiting_jobs=9, inference_requests_per_s=1)
+    assert burst(1) == 0  # the same rate: the same bucket
+    with session_scope(url) as s:
+        set_quotas(s, tenant, inference_requests_per_s=20)
+    assert burst(20) == 20
+
+
 def test_concurrent_admissions_of_one_tenant_are_counted_exactly(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,12 +10,12 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from tunefleet.platform import audit
 from tunefleet.platform.audit import Actor
-from tunefleet.platform.db import ApiKey, Job, Tenant, now_s
+from tunefleet.platform.db import ApiKey, InferenceBucket, Job, Tenant, now_s
 from tunefleet.platform.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.status import ACTIVE
@@ -241,8 +241,10 @@ def set_quotas(
 ) -> Tenant:
     """Change a tenant's ``QUOTAS`` and ``INFERENCE_LIMITS`` (those given; None for an
     inference limit: the operator's default again); its keys' cached principals, which
-    carry the old ones, are forgotten. Recorded, with the quotas before and after, as
-    ``actor``'s act when given."""
+    carry the old ones, are forgotten. A changed inference rate starts the tenant's bucket
+    afresh: the arrival time it holds was paced at the old rate (after a change from 1 to
+    20 requests/s it would refuse the first second of the new rate's burst). Recorded, with
+    the quotas before and after, as ``actor``'s act when given."""
     known = (*QUOTAS, *INFERENCE_LIMITS)
     unknown = set(quotas) - set(known)
     if unknown:
@@ -254,6 +256,10 @@ def set_quotas(
     before = _quotas(tenant)
     for name, value in quotas.items():
         setattr(tenant, name, value)
+    if "inference_requests_per_s" in quotas and tenant.inference_requests_per_s != before.get(
+        "inference_requests_per_s"
+    ):
+        session.execute(delete(InferenceBucket).where(InferenceBucket.tenant_id == tenant.id))
     session.flush()
     forget_keys()
     if actor is not None:
