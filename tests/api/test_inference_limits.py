@@ -30,7 +30,14 @@ from dashboard_client import admin_key
 from tunefleet.platform import audit
 from tunefleet.platform.db import InferenceLease, session_scope
 from tunefleet.platform.errors import RateLimited
-from tunefleet.platform.inference_limits import FLUSH_S, Limits, admit, release
+from tunefleet.platform.inference_limits import (
+    FLUSH_S,
+    SLOT_HOLD_S,
+    Limiter,
+    Limits,
+    admit,
+    release,
+)
 from tunefleet.platform.settings import Settings
 
 ANSWER = {
@@ -101,8 +108,9 @@ def _leases(settings: Settings) -> int:
 
 
 def _leases_freed(settings: Settings) -> bool:
-    """Whether every lease is deleted within a few of the flusher's periods."""
-    deadline = time.monotonic() + 10 * FLUSH_S
+    """Whether every lease is deleted once its slot has been free for ``SLOT_HOLD_S``,
+    within a few of the flusher's periods."""
+    deadline = time.monotonic() + SLOT_HOLD_S + 10 * FLUSH_S
     while _leases(settings) and time.monotonic() < deadline:
         time.sleep(FLUSH_S / 4)
     return _leases(settings) == 0
@@ -359,26 +367,84 @@ def test_a_changed_rate_starts_with_a_full_burst(
 def test_concurrent_admissions_of_one_tenant_are_counted_exactly(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """32 admissions at once (threads, each its own connection, as API processes are):
-    exactly the burst of a rate of 7, and exactly 5 slots of a concurrency of 5, are
-    admitted. On PostgreSQL the bucket row's lock orders them; without it each would
-    count only the leases committed before it began."""
+    """32 admissions at once from 8 API processes (``Limiter``s, 4 threads each, each
+    thread its own connection): exactly the burst of a rate of 7, and exactly 5 slots of a
+    concurrency of 5, are admitted. On PostgreSQL the bucket row's lock orders the
+    processes' trips; without it each would count only the leases committed before it
+    began. In one process, at 20 per second (grants of 5 tokens), exactly the burst."""
     from tunefleet.platform.tenants import create_tenant
 
     url = settings.resolved_database_url
     with session_scope(url) as s:
-        rated, slotted = create_tenant(s, "rated").id, create_tenant(s, "slotted").id
+        tenants = [create_tenant(s, name).id for name in ("rated", "slotted", "granted")]
     monkeypatch.setattr(time, "time", lambda: 2_000_000.0)  # no refill while they run
-    for tenant, limits, room in ((rated, Limits(7, 0), 7), (slotted, Limits(0, 5), 5)):
+    cases = ((Limits(7, 0), 8, 7), (Limits(0, 5), 8, 5), (Limits(20, 0), 1, 20))
+    for tenant, (limits, processes, room) in zip(tenants, cases, strict=True):
         start = threading.Barrier(32)
+        limiters = [Limiter() for _ in range(processes)]
 
-        def one(_: int, tenant: str = tenant, limits: Limits = limits, start: Any = start) -> bool:
+        def one(i: int, tenant: str = tenant, limits: Limits = limits, start: Any = start,
+                limiters: list[Limiter] = limiters) -> bool:  # fmt: skip
             start.wait()
             try:
-                admit(url, tenant, "t", limits)
+                limiters[i % len(limiters)].admit(url, tenant, "t", limits)
             except RateLimited:
                 return False
             return True
 
         with ThreadPoolExecutor(32) as pool:
-            assert sum(pool.map(one, range(32))) == room
+            assert sum(pool.map(one, range(32))) == room, limits
+
+
+def test_a_process_takes_its_allowance_in_grants_and_the_bound_holds(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 20 per second an API process takes 5 tokens a trip and keeps the 4 it has not
+    spent: the rate over time is exact, and after a pause the burst is exceeded by at most
+    the 4 each process holds (two here: 28 at once, never more). A slot freed in one
+    process is reused there with no database trip; the other process gets it once it has
+    been free for SLOT_HOLD_S, and until then is refused with that wait."""
+    from tunefleet.platform.tenants import create_tenant
+
+    url = settings.resolved_database_url
+    with session_scope(url) as s:
+        rated, slotted = create_tenant(s, "rated").id, create_tenant(s, "slotted").id
+    clock = [3_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    a, b = Limiter(), Limiter()
+    rate = Limits(requests_per_s=20, concurrent_requests=0)
+
+    def burst(limiter: Limiter) -> int:
+        admitted = 0
+        for _ in range(40):
+            try:
+                limiter.admit(url, rated, "rated", rate)
+                admitted += 1
+            except RateLimited:
+                break
+        return admitted
+
+    assert a.admit(url, rated, "rated", rate) is None  # a holds 4 tokens
+    assert b.admit(url, rated, "rated", rate) is None  # b too
+    assert burst(a) + burst(b) == 18  # 20 in all, at one instant: the burst exactly
+    for i in range(100):  # 10 s at 10 a second, half the rate, by turns: all admitted
+        clock[0] += 0.1
+        assert (a, b)[i % 2].admit(url, rated, "rated", rate) is None
+    clock[0] += 10  # the bucket is full again, and each process holds what it was granted
+    assert 20 <= burst(a) + burst(b) <= 20 + 2 * (rate.grant - 1)
+
+    slots = Limits(requests_per_s=0, concurrent_requests=1)
+    lease = a.admit(url, slotted, "slotted", slots)
+    assert lease is not None
+    a.release(url, lease)
+    again = a.admit(url, slotted, "slotted", slots)
+    assert again == lease  # the same row, no trip
+    assert again is not None
+    a.release(url, again)
+    with pytest.raises(RateLimited, match="1 inference requests in flight") as refused:
+        b.admit(url, slotted, "slotted", slots)
+    assert refused.value.retry_after_s == SLOT_HOLD_S
+    deadline = time.monotonic() + SLOT_HOLD_S + 10 * FLUSH_S
+    while _leases(settings) and time.monotonic() < deadline:
+        time.sleep(FLUSH_S / 4)
+    assert b.admit(url, slotted, "slotted", slots) is not None
