@@ -763,3 +763,34 @@ def test_the_controller_knows_the_node_types_of_the_worker_groups(
     read = Settings()
     assert [t.model_dump() for t in read.node_types] == expected
     assert read.run_driver_resources == {"tunefleet-driver": 1}
+
+
+def test_pods_that_cache_artifacts_request_the_cache_and_tell_the_app_its_size() -> None:
+    """With object storage, every container that mounts the artifact cache requests the
+    cache volume's size as ephemeral storage (the kubelet then does not evict the pod for
+    it) and gets that size as TUNEFLEET_ARTIFACT_CACHE_SIZE, which the application reads
+    to keep its copies within 90% of it. A local store caches nothing: no request."""
+
+    def caching(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], str]]:
+        found = []
+        for obj in objects:
+            for spec in pod_specs(obj):
+                (volume,) = [v for v in spec.get("volumes", []) if v["name"] == "cache"] or [None]
+                for c in spec["containers"]:
+                    if volume and any(m["name"] == "cache" for m in c.get("volumeMounts", [])):
+                        found.append((obj["metadata"]["name"], c, volume["emptyDir"]["sizeLimit"]))
+        return found
+
+    s3 = caching(render(variant("s3"), "artifacts.cacheSize=50Gi"))
+    assert {name.rsplit("-", 1)[-1] for name, _, _ in s3} >= {"api", "controller", "ray"}
+    for name, c, size in s3:
+        assert size == "50Gi", name
+        assert c["resources"]["requests"]["ephemeral-storage"] == "50Gi", name
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["TUNEFLEET_ARTIFACT_CACHE_SIZE"] == "50Gi", name
+        settings = Settings(artifact_cache_size=env["TUNEFLEET_ARTIFACT_CACHE_SIZE"])
+        assert settings.artifact_cache_size == 50 << 30
+    local = rendered(variant("external-db"))  # a shared claim, no object storage
+    assert caching(local)
+    for name, c, _ in caching(local):
+        assert "ephemeral-storage" not in c["resources"].get("requests", {}), name

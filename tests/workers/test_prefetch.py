@@ -1,6 +1,7 @@
 """A Serve replica copies the adapters the controller pushes (``prefetch``) from object
 storage to its node's cache ahead of any request, so a first request loads from local
-disk. On a real S3 server (moto's), with the replica's own method."""
+disk: the load reads nothing from object storage, by the store's own byte counters. On a
+real S3 server (moto's), with the replica's own method."""
 
 from __future__ import annotations
 
@@ -35,10 +36,14 @@ def test_a_replica_copies_pushed_adapters_to_its_node_ahead_of_requests(
     prefetch(replica, ["ftjob-0", "ftjob-1", "ftjob-gone"])
     replica._prefetching.join(60)
     assert replica._prefetched == {"ftjob-0", "ftjob-1"}
+    fetched = (node.fetched.bytes, node.fetched.objects)
+    assert fetched[0] == sum(len(weights[a]) + 2 for a in ("ftjob-0", "ftjob-1"))
     for adapter_id in ("ftjob-0", "ftjob-1"):
         copy = node.cache.path(node.adapter_key(adapter_id))
         assert (copy / "adapter_model.safetensors").read_bytes() == weights[adapter_id]
-        assert node.local_copy(node.adapter_key(adapter_id)) == copy  # from disk
+        assert node.pinned_copy(node.adapter_key(adapter_id)).path == copy  # a load's path
+    # the loads read not a byte from object storage (the store's own counters)
+    assert (node.fetched.bytes, node.fetched.objects) == fetched
     assert not node.cache.exists(node.adapter_key("ftjob-2"))
 
     # the next push brings a new adapter: only it is copied

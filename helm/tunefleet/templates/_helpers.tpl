@@ -166,6 +166,8 @@ tunefleet.io/member: {{ .Release.Name | quote }}
 {{- end }}
 - name: TUNEFLEET_ARTIFACT_CACHE
   value: /cache/artifacts
+- name: TUNEFLEET_ARTIFACT_CACHE_SIZE
+  value: {{ .Values.artifacts.cacheSize | quote }}
 - name: TUNEFLEET_MODEL_REGISTRY
   value: {{ .Values.models.path | quote }}
 {{- end }}
@@ -203,6 +205,17 @@ tunefleet.io/member: {{ .Release.Name | quote }}
   value: token
 - name: RAY_AUTH_TOKEN
   valueFrom: {secretKeyRef: {name: {{ include "tunefleet.rayTokenSecret" . }}, key: auth_token}}
+{{- end }}
+
+{{/* A container's resources (dict "resources" R "root" $), requesting the artifact cache's
+     volume as ephemeral storage where there is object storage to cache, unless R names its own: the scheduler places the pod where
+     the cache fits, and the kubelet does not evict it for the cache it was promised */}}
+{{- define "tunefleet.cacheResources" -}}
+{{- $resources := deepCopy (.resources | default dict) }}
+{{- if .root.Values.artifacts.s3.bucket }}
+{{- $_ := set $resources "requests" (merge ($resources.requests | default dict) (dict "ephemeral-storage" .root.Values.artifacts.cacheSize)) }}
+{{- end }}
+{{- toYaml $resources }}
 {{- end }}
 
 {{/* Volumes: the read-only root filesystem's writable places, artifacts and models */}}

@@ -90,7 +90,7 @@ spec:
         {{- $_ := set $resources "limits" (merge (dict "nvidia.com/gpu" .gpus) ($resources.limits | default dict)) }}
         {{- $_ := set $resources "requests" (merge (dict "nvidia.com/gpu" .gpus) ($resources.requests | default dict)) }}
         {{- end }}
-        {{- toYaml $resources | nindent 8 }}
+        {{- include "tunefleet.cacheResources" (dict "resources" $resources "root" $root) | nindent 8 }}
       securityContext:
         allowPrivilegeEscalation: false
         # Ray writes its session files under /tmp (a volume) but also beside its own

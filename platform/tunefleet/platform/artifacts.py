@@ -10,9 +10,10 @@ from ``TUNEFLEET_ARTIFACT_ROOT``):
   interoperability endpoint) through pyarrow's filesystem layer, the one Ray Train writes
   checkpoints with. Writes go to a temporary key and are copied into place server-side.
   A process that needs an artifact as files (a run's training file, an adapter a replica
-  loads) gets a copy in its node's cache (``local_copy``): uploads, adapters and merged
-  models are written once under their keys, so a copy does not go stale. Objects up to
-  5 GB (S3's limit of one server-side copy).
+  loads) gets a copy in its node's cache (``local_copy``, ``node_cache``: one download per
+  node, within a byte budget, least recently used copies evicted, never one in use):
+  uploads, adapters and merged models are written once under their keys, so a copy does
+  not go stale. Objects up to 5 GB (S3's limit of one server-side copy).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import errno
 import hashlib
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +33,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tunefleet.platform.errors import InvalidRequest, PayloadTooLarge
+from tunefleet.platform.node_cache import NodeCache, Pin
 from tunefleet.platform.settings import Settings
+
+DEFAULT_CACHE_SIZE = Settings.model_fields["artifact_cache_size"].default
 
 # one read or write to object storage; small reads cost a request each
 _CHUNK = 8 << 20
@@ -184,6 +189,10 @@ class ArtifactStore(Keys):
         """The artifact as a local file or folder: here, itself."""
         return self.path(key)
 
+    def pinned_copy(self, key: str) -> Pin:
+        """``local_copy`` (no cache here: nothing to keep from eviction)."""
+        return Pin(self.path(key), -1)
+
     def ray_storage(self, key: str) -> tuple[str, Any]:
         """``(storage_path, storage_filesystem)`` for Ray Train's ``RunConfig``."""
         return str(self.path(key)), None
@@ -195,7 +204,9 @@ class S3Store(Keys):
     ``AWS_SECRET_ACCESS_KEY``, a web identity, an instance profile), never from TuneFleet's
     settings, so nothing passes them to Ray."""
 
-    def __init__(self, url: str, *, endpoint_url: str, region: str, cache_dir: Path):
+    def __init__(
+        self, url: str, *, endpoint_url: str, region: str, cache_dir: Path, cache_size: int
+    ):
         from pyarrow import fs
 
         parsed = urlparse(url)
@@ -212,6 +223,8 @@ class S3Store(Keys):
         # this user alone
         _private_dir(cache_dir)
         self.cache = ArtifactStore(cache_dir / hashlib.sha256(self.url.encode()).hexdigest()[:16])
+        self.node_cache = NodeCache(self.cache.root, budget_bytes=int(0.9 * cache_size))
+        self.fetched = Fetched()
 
     @property
     def location(self) -> str:
@@ -248,11 +261,13 @@ class S3Store(Keys):
         except BaseException:
             self.cache.delete(key)
             raise
+        await asyncio.to_thread(self.node_cache.adopt, key)
         return size
 
     def write_bytes(self, key: str, data: bytes) -> None:
         self.cache.write_bytes(key, data)
         self._upload(key, self.cache.path(key))
+        self.node_cache.adopt(key)
 
     def read_chunks(self, key: str, chunk_size: int = 1 << 16) -> Iterator[bytes]:
         with self.fs.open_input_stream(self._object(key)) as fh:
@@ -278,61 +293,83 @@ class S3Store(Keys):
                     self.fs.move(info.path, final + info.path[len(tmp) :])
         finally:
             _forget(self.fs, tmp)
-        self.cache.delete(key)  # a copy of the old folder
+        self.node_cache.forget(key)  # a copy of the old folder
 
     def delete(self, key: str) -> None:
         _forget(self.fs, self._object(key))
-        self.cache.delete(key)
+        self.node_cache.forget(key)
 
     def local_copy(self, key: str) -> Path:
-        """The artifact in this node's cache, downloaded once (into a temporary name,
-        renamed into place: processes racing for it each get a whole copy). One listing
-        finds a folder's files, which download side by side in large reads (an adapter's
-        cold load on a replica waits for this)."""
+        """The artifact in this node's cache (``node_cache``: downloaded once by one of
+        the node's processes, the others waiting; within the cache's budget)."""
+        return self._fill(key, pin=False)[0]
+
+    def pinned_copy(self, key: str) -> Pin:
+        """``local_copy``, kept from eviction until the pin is released."""
+        pin = self._fill(key, pin=True)[1]
+        assert pin is not None
+        return pin
+
+    def _fill(self, key: str, pin: bool) -> tuple[Path, Pin | None]:
+        """One listing finds a folder's files (and their size, for the cache to make
+        room), which download side by side in large reads (an adapter's cold load on a
+        replica waits for this)."""
         from pyarrow import fs
 
-        target = self.cache.path(key)
-        if target.exists():
-            return target
         remote = self._object(key)
-        listing = self.fs.get_file_info(
-            fs.FileSelector(remote, recursive=True, allow_not_found=True)
-        )
-        files = [info for info in listing if info.type == fs.FileType.File]
-        tmp = self.cache._tmp_for(key)
-        if files:  # a folder: its files go under the same relative paths
-            copies = [(info.path, tmp / info.path[len(remote) + 1 :]) for info in files]
-        elif self.fs.get_file_info(remote).type == fs.FileType.File:
-            copies = [(remote, tmp)]
-        elif listing:  # a folder of empty folders
-            copies = []
-            tmp.mkdir()
-        else:
-            raise FileNotFoundError(f"{key} is not in {self.url}")
-        try:
-            with ThreadPoolExecutor(max_workers=min(8, max(1, len(copies)))) as pool:
-                list(pool.map(lambda copy: self._download(*copy), copies))
-            try:
-                os.rename(tmp, target)
-            except OSError:  # another process put its copy in first
-                if not target.exists():
-                    raise
-        finally:
-            if tmp.is_dir():
-                shutil.rmtree(tmp, ignore_errors=True)
+        plan: list[tuple[str, str]] = []  # (object, path under the copy; "" for a file)
+
+        def size() -> int:
+            listing = self.fs.get_file_info(
+                fs.FileSelector(remote, recursive=True, allow_not_found=True)
+            )
+            files = [info for info in listing if info.type == fs.FileType.File]
+            if not files and not listing:  # not a folder: a file, or nothing
+                info = self.fs.get_file_info(remote)
+                if info.type != fs.FileType.File:
+                    raise FileNotFoundError(f"{key} is not in {self.url}")
+                files, plan[:] = [info], [(remote, "")]
             else:
-                tmp.unlink(missing_ok=True)
-        return target
+                plan[:] = [(info.path, info.path[len(remote) + 1 :]) for info in files]
+            return sum(info.size for info in files)
+
+        def download(tmp: Path) -> None:
+            if plan and plan[0][1] == "":
+                self._download(remote, tmp)
+                return
+            tmp.mkdir()  # a folder (maybe of empty folders only)
+            with ThreadPoolExecutor(max_workers=min(8, max(1, len(plan)))) as pool:
+                list(pool.map(lambda copy: self._download(copy[0], tmp / copy[1]), plan))
+
+        return self.node_cache.fill(key, download, size, pin=pin)
 
     def _download(self, remote: str, local: Path) -> None:
         local.parent.mkdir(parents=True, exist_ok=True)
         with self.fs.open_input_file(remote) as source, open(local, "wb") as sink:
             size = source.size()  # ranged reads of a known size: one request each
             for offset in range(0, size, _CHUNK):
-                sink.write(source.read_at(min(_CHUNK, size - offset), offset))
+                data = source.read_at(min(_CHUNK, size - offset), offset)
+                sink.write(data)
+                self.fetched.add(len(data))
+        self.fetched.add(0, objects=1)
 
     def ray_storage(self, key: str) -> tuple[str, Any]:
         return self._object(key), self.fs
+
+
+class Fetched:
+    """What a store has read from object storage into its node's cache: bytes and
+    objects (a cold load's own counters, apart from the wall clock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.objects = 0
+
+    def add(self, n: int, objects: int = 0) -> None:
+        with self._lock:
+            self.bytes += n
+            self.objects += objects
 
 
 def _private_dir(path: Path) -> None:
@@ -380,16 +417,35 @@ def artifact_store(settings: Settings) -> Store:
         settings.artifact_location,
         endpoint_url=settings.s3_endpoint_url,
         region=settings.s3_region,
-        cache_dir=settings.resolved_artifact_cache,
+        **cache_of(settings),
     )
 
 
+def cache_of(settings: Settings) -> dict[str, Any]:
+    """``open_store``'s node cache arguments, as this process's settings say."""
+    return {
+        "cache_dir": settings.resolved_artifact_cache,
+        "cache_size": settings.artifact_cache_size,
+    }
+
+
 def open_store(
-    location: str, *, endpoint_url: str = "", region: str = "", cache_dir: Path | None = None
+    location: str,
+    *,
+    endpoint_url: str = "",
+    region: str = "",
+    cache_dir: Path | None = None,
+    cache_size: int = DEFAULT_CACHE_SIZE,
 ) -> Store:
     """The store ``location`` names: ``s3://bucket/prefix`` or a local folder."""
     if location.startswith("s3://"):
         if cache_dir is None:
             raise ValueError("an object-storage artifact store needs a local cache folder")
-        return S3Store(location, endpoint_url=endpoint_url, region=region, cache_dir=cache_dir)
+        return S3Store(
+            location,
+            endpoint_url=endpoint_url,
+            region=region,
+            cache_dir=cache_dir,
+            cache_size=cache_size,
+        )
     return ArtifactStore(Path(location))

@@ -66,6 +66,14 @@ class Settings(BaseSettings):
         "object storage (training files, adapters), this user's alone. Default: "
         "tunefleet-artifact-cache-UID in the system's temporary folder.",
     )
+    artifact_cache_size: int = Field(
+        default=20 << 30,
+        gt=0,
+        description="The space the node's artifact cache may use, in bytes or as a "
+        "Kubernetes quantity (20Gi, 500Mi): the chart's artifacts.cacheSize, its volume. "
+        "Copies are evicted, least recently used first and never while in use, to keep "
+        "them within 90% of it (the rest is for uploads and downloads in flight).",
+    )
     model_registry: Path | None = Field(
         default=None,
         description="Folder of base models in safetensors form, one sub-folder each. "
@@ -301,6 +309,11 @@ class Settings(BaseSettings):
             self.mlflow_experiment_template, self.wandb_entity_template, self.wandb_project_template
         )
 
+    @field_validator("artifact_cache_size", mode="before")
+    @classmethod
+    def _artifact_cache_size(cls, v: object) -> object:
+        return parse_quantity(v) if isinstance(v, str) else v
+
     @field_validator("outbound_allow")
     @classmethod
     def _outbound_allow(cls, v: tuple[str, ...]) -> tuple[str, ...]:
@@ -367,6 +380,25 @@ class Settings(BaseSettings):
     @property
     def serve_url(self) -> str:
         return f"http://{self.serve_host}:{self.serve_port}"
+
+
+_QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+                   "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}  # fmt: skip
+
+
+def parse_quantity(text: str) -> int:
+    """Bytes from a Kubernetes quantity of bytes (``20Gi``, ``500M``, ``1048576``)."""
+    number = text.strip().rstrip("KMGTik")
+    unit = text.strip()[len(number) :]
+    try:
+        if unit not in _QUANTITY_UNITS:
+            raise ValueError(unit)
+        return int(float(number) * _QUANTITY_UNITS[unit])
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a size: give bytes, or a number with one of "
+            f"{', '.join(u for u in _QUANTITY_UNITS if u)} (20Gi, 500Mi)"
+        ) from None
 
 
 @lru_cache(maxsize=1)

@@ -145,9 +145,9 @@ class Admission:
 
         from tunefleet.workers.train.data import token_stats
 
-        path = self.store.local_copy(self.store.file_key(file_id))
-        if not path.exists():
-            raise FileNotFoundError(f"file {file_id} is no longer in the artifact store")
         if model not in self._tokenizers:
             self._tokenizers[model] = AutoTokenizer.from_pretrained(self.registry.require(model))
-        return token_stats(path, self._tokenizers[model], max_seq_len, check=check)
+        with self.store.pinned_copy(self.store.file_key(file_id)) as path:  # kept while read
+            if not path.exists():
+                raise FileNotFoundError(f"file {file_id} is no longer in the artifact store")
+            return token_stats(path, self._tokenizers[model], max_seq_len, check=check)

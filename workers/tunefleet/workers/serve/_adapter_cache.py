@@ -49,6 +49,7 @@ class AdapterCache:
     locate: Any  # Callable[[str], Path]
     on_load: Any = None  # Callable[[str], None]
     on_evict: Any = None  # Callable[[str], None]
+    on_unload: Any = None  # Callable[[str], None]: after an eviction or an unload
     _entries: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -84,6 +85,8 @@ class AdapterCache:
                 self.lora.clear(entry.loaded.slot)
                 if self.on_evict:
                     self.on_evict(adapter_id)
+                if self.on_unload:
+                    self.on_unload(adapter_id)
                 return entry.loaded.slot
         raise CacheFullError(
             f"all {self.capacity} adapter slots hold pinned adapters or adapters with "
@@ -140,6 +143,8 @@ class AdapterCache:
                 )
             del self._entries[adapter_id]
             self.lora.clear(entry.loaded.slot)
+            if self.on_unload:
+                self.on_unload(adapter_id)
             return True
 
     def load_time(self, adapter_id: str) -> float:

@@ -31,7 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from transformers import AutoTokenizer
 
-from tunefleet.platform.artifacts import open_store
+from tunefleet.platform.artifacts import cache_of, open_store
+from tunefleet.platform.node_cache import Pin
 from tunefleet.platform.serving_contract import (
     ADAPTER_HEADER,
     ADAPTER_ID,
@@ -142,7 +143,7 @@ class LoraServer:
         self,
         base_model: str,
         model_path: str,
-        store: dict[str, str],
+        store: dict[str, Any],
         options: dict[str, Any],
         secret: str,
     ):
@@ -152,7 +153,7 @@ class LoraServer:
         self.options = ServingOptions.model_validate(options)
         # adapters come from the artifact store into this node's cache (its own settings say
         # where that is)
-        self.store = open_store(**store, cache_dir=get_settings().resolved_artifact_cache)
+        self.store = open_store(**store, **cache_of(get_settings()))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.metrics = AdapterMetrics()
         self.precision, why = serving_precision(self.options.precision)
@@ -160,11 +161,15 @@ class LoraServer:
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         base = load_serving_base(model_path, self.options.base_quantization, dtype)
         self.lora = MultiLoraModel(base, max_adapters=self.options.max_adapters_per_replica)
+        # a loaded adapter's files stay in the node's cache (pinned) until it is unloaded
+        self._pins: dict[str, Pin] = {}
+        self._pins_lock = threading.Lock()
         self.cache = AdapterCache(
             self.lora,
-            locate=lambda a: self.store.local_copy(adapter_weights_key(a)),
+            locate=self._pinned_copy,
             on_load=self.metrics.loaded,
             on_evict=self.metrics.evicted,
+            on_unload=self._unpin,
         )
         self.eos = eos_ids(base, self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.eos)
@@ -185,6 +190,20 @@ class LoraServer:
         self._config_lock = threading.Lock()
         self._prefetched: set[str] = set()
         self._prefetching: threading.Thread | None = None
+
+    def _pinned_copy(self, adapter_id: str) -> Path:
+        pin = self.store.pinned_copy(adapter_weights_key(adapter_id))
+        with self._pins_lock:
+            old, self._pins[adapter_id] = self._pins.get(adapter_id), pin
+        if old is not None:
+            old.release()
+        return pin.path
+
+    def _unpin(self, adapter_id: str) -> None:
+        with self._pins_lock:
+            pin = self._pins.pop(adapter_id, None)
+        if pin is not None:
+            pin.release()
 
     def _engine(self, lora: MultiLoraModel) -> BatchEngine:
         engine = BatchEngine(

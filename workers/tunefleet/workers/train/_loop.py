@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-from tunefleet.platform.artifacts import Keys, open_store
+from tunefleet.platform.artifacts import Keys, cache_of, open_store
 from tunefleet.platform.outbound import OutboundPolicy
 from tunefleet.platform.settings import get_settings
 from tunefleet.platform.spec import JobSpec
@@ -45,6 +45,7 @@ from tunefleet.workers.train._loss import LabelledLogits, correct_tokens, mean_l
 from tunefleet.workers.train._methods import build_model, load_weights
 from tunefleet.workers.train._trackers import Trackers, job_config
 from tunefleet.workers.train.data import (
+    TokenizedDataset,
     collate,
     collate_packed,
     epoch_order,
@@ -255,7 +256,7 @@ class Worker:
             self.spec = spec = spec.model_copy(update={"tunefleet": opts})
 
         # the driver's store; this node's cache (its own settings say where that is)
-        store = open_store(**config["store"], cache_dir=get_settings().resolved_artifact_cache)
+        store = open_store(**config["store"], **cache_of(get_settings()))
 
         # -- the model -----------------------------------------------------------------
         load_started = time.perf_counter()
@@ -277,7 +278,8 @@ class Worker:
         if self.ckpt_dir is not None:
             ckpt_files.load_model(self.ckpt_dir, built)
         elif config.get("init_key"):  # the weights of the job it starts from
-            load_weights(store.local_copy(config["init_key"]), built)
+            with store.pinned_copy(config["init_key"]) as weights:  # kept while read
+                load_weights(weights, built)
         if spec.tunefleet.precision == "fp8":
             enable_fp8(built.model)
         # the output layer runs only where a label is (loss.py); hooked before any wrapping
@@ -318,7 +320,8 @@ class Worker:
 
         # -- the data ------------------------------------------------------------------
         max_len = spec.tunefleet.max_seq_len
-        self.data = load_dataset(store.local_copy(config["train_key"]), tokenizer, max_len)
+        with store.pinned_copy(config["train_key"]) as train_file:  # kept while read
+            self.data = load_dataset(train_file, tokenizer, max_len)
         if not self.data.examples:
             raise ValueError("the training file has no example with tokens to learn from")
         if self.data.preference != spec.is_dpo:
@@ -327,11 +330,10 @@ class Worker:
                 f"this {spec.objective} job's training file does not match"
             )
         # Evaluation data: never packed; every worker scores its share.
-        self.validation = (
-            load_dataset(store.local_copy(config["validation_key"]), tokenizer, max_len)
-            if config.get("validation_key")
-            else None
-        )
+        self.validation: TokenizedDataset | None = None
+        if config.get("validation_key"):
+            with store.pinned_copy(config["validation_key"]) as validation_file:
+                self.validation = load_dataset(validation_file, tokenizer, max_len)
         # The unit of a batch: an example, or a row of examples packed end to end.
         self.units: list[Any] = (
             pack(self.data.examples, max_len)

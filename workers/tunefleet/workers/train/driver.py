@@ -229,7 +229,8 @@ def store_merged(spec: JobSpec, model_path: str, store: Store, reporter: Channel
     from tunefleet.workers.train._methods import merged_model
 
     key = store.merged_key(spec.job_id)
-    model = merged_model(spec, model_path, store.local_copy(store.adapter_key(spec.job_id)))
+    with store.pinned_copy(store.adapter_key(spec.job_id)) as adapter:  # kept while read
+        model = merged_model(spec, model_path, adapter)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
