@@ -294,6 +294,11 @@ def test_two_tenants_train_and_serve_through_a_controller_failover(
         events = list(client.fine_tuning.jobs.list_events(job.id, limit=500))
         messages = [e.message for e in events]
         assert sum(m.startswith("The job has successfully completed") for m in messages) == 1
+        # its adapter was on the serving replica's node before the job read succeeded
+        prefetched = [e for e in events if e.data and "prefetched_replicas" in e.data]
+        assert [e.data for e in prefetched] == [
+            {"prefetched_replicas": 1, "serving_replicas": 1}
+        ], messages
         # placed by the scheduler on the node with CPUs, and run there (Ray enforced it)
         placed = next(e for e in events if e.message.startswith("Dispatched as Ray job"))
         started = [e for e in events if e.message.startswith("Training ")]
@@ -352,6 +357,83 @@ def test_two_tenants_train_and_serve_through_a_controller_failover(
     scraped = httpx.get(survivor.replace("/healthz", "/metrics"), timeout=30).text
     assert "tunefleet_controller_pass_seconds_count" in scraped
     assert "tunefleet_queue_length 0.0" in scraped
+
+
+def test_a_replica_serve_replaces_loads_the_most_requested_adapters_before_any_request(
+    cluster: dict[str, Any],
+) -> None:
+    """The controller ranks adapters by the requests replicas counted over the last hour
+    and stores the ranking with the serving configuration in S3; a replica Serve starts
+    in place of one that died (``ray.kill``, as a lost pod) loads those adapters before it
+    takes traffic: its own listing, the first request it gets, shows them loaded. Runs
+    after the failover test (its two tenants' adapters), before the node is lost."""
+    import ray
+    from openai import OpenAI
+
+    models = {}
+    for i, (tenant, key) in enumerate(cluster["keys"].items()):
+        client = OpenAI(base_url=f"{cluster['apis'][i]}/v1", api_key=key, max_retries=0)
+        job = next(j for j in client.fine_tuning.jobs.list() if j.status == "succeeded")
+        models[tenant] = (client, job.id, job.fine_tuned_model or "")
+    for tenant, asked in (("acme", 3), ("globex", 1)):  # acme's more requested
+        client, _, model = models[tenant]
+        for _ in range(asked):
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+    store = cluster["store"]
+    busiest = [models["acme"][1], models["globex"][1]]
+    deadline = time.monotonic() + 60
+    while True:  # the next push reports the requests; the controller stores the ranking
+        try:
+            stored = json.loads(b"".join(store.read_chunks(store.serving_key(TINY))))
+        except FileNotFoundError:
+            stored = {}
+        if stored.get("warm") == busiest:
+            break
+        assert time.monotonic() < deadline, stored
+        time.sleep(0.5)
+
+    ray.init(address=cluster["head"].address, log_to_driver=False)
+    try:
+
+        def replicas() -> set[str]:
+            return {
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::") and "LoraServer" in a["name"]
+            }
+
+        (old,) = replicas()
+        ray.kill(ray.get_actor(old, namespace="serve"), no_restart=True)
+        deadline = time.monotonic() + 180
+        while not (new := replicas() - {old}):
+            assert time.monotonic() < deadline, "Serve did not replace the replica"
+            time.sleep(0.5)
+    finally:
+        ray.shutdown()
+    serve = f"http://127.0.0.1:{cluster['env']['TUNEFLEET_SERVE_PORT']}/models/{TINY}/v1"
+    secret = {SECRET_HEADER: cluster["env"]["TUNEFLEET_SERVE_SECRET"]}
+    deadline = time.monotonic() + 180
+    while True:  # the proxy routes to it once its constructor (and warm-up) returned
+        try:
+            listing = httpx.get(f"{serve}/adapters", headers=secret, timeout=30)
+            if listing.status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"no replica answers: {new}"
+        time.sleep(0.5)
+    loaded = {entry["id"]: entry for entry in listing.json()["data"]}
+    assert set(loaded) == set(busiest), listing.json()
+    assert all(entry["in_flight"] == 0 for entry in loaded.values()), loaded
+    answer = models["acme"][0].chat.completions.create(
+        model=models["acme"][2],
+        messages=[{"role": "user", "content": "what is a banana"}],
+        temperature=0,
+        max_tokens=8,
+    )
+    assert answer.choices[0].message.content.strip() == ANSWERS["acme"]  # type: ignore[union-attr]
 
 
 def test_a_job_whose_node_is_lost_resumes_from_its_newest_checkpoint_in_s3(

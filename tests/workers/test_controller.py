@@ -930,3 +930,143 @@ def test_a_model_server_deploys_while_the_first_job_on_it_trains(settings: Setti
     with session_scope(url) as s:
         assert s.get(Job, job_id).status == "succeeded"  # type: ignore[union-attr]
     assert twin.deployed == ["tiny-llama"]
+
+
+class CountingTwin(TwinBackend):
+    """Replicas that answer a push with the requests per adapter each one counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.uses: list[dict[str, int]] = []  # one per replica
+
+    def push_serving_config(self, base_model: str, config: dict[str, list[str]]) -> list[Any]:
+        self.pushed.append((base_model, config))
+        return [{**config, "uses": uses} for uses in self.uses]
+
+
+def test_a_starting_replica_is_told_the_adapters_most_requested_in_the_last_hour(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The controller adds up what every replica counted, over the last hour, and stores
+    the busiest adapters still on record (``serve_warm_adapters`` of them, most requested
+    first) with the serving configuration, where a starting replica reads them
+    (``Keys.serving_key``; tests/cluster shows a replica loading them)."""
+    from tunefleet.workers import _serving
+    from tunefleet.workers._serving import Serving
+
+    clock = Clock()
+    monkeypatch.setattr(_serving, "time", clock)
+    url = settings.resolved_database_url
+    jobs = [_job(settings, t, f"file-{i}") for i, t in enumerate(("acme", "globex", "initech"))]
+    with session_scope(url) as s:
+        for job_id in jobs:
+            job = s.get(Job, job_id)
+            assert job is not None
+            s.add(
+                Adapter(
+                    id=f"adapter-{job_id}",
+                    tenant_id=job.tenant_id,
+                    job_id=job_id,
+                    name=f"ft:tiny-llama:{job_id}",
+                    base_model="tiny-llama",
+                    path=f"adapters/{job_id}",
+                )
+            )
+    twin = CountingTwin()
+    store = ArtifactStore(settings.resolved_artifact_root)
+    serving = Serving(
+        settings.model_copy(update={"serve_warm_adapters": 2}),
+        twin,  # type: ignore[arg-type]
+        ModelRegistry(settings.resolved_model_registry),
+        url,
+        store,
+    )
+    config = {"merged": [jobs[2]], "pinned": [], "prefetch": list(jobs)}
+
+    def stored_after(*uses: dict[str, int]) -> dict[str, Any]:
+        twin.uses = list(uses)
+        serving._push({"tiny-llama": config})
+        stored: dict[str, Any] = json.loads(store.path(store.serving_key("tiny-llama")).read_text())
+        return stored
+
+    # two replicas' counts add up; an adapter deleted meanwhile is not warmed
+    stored = stored_after({jobs[0]: 1, jobs[1]: 4}, {jobs[0]: 2, jobs[2]: 1, "ftjob-gone": 9})
+    assert stored == {**config, "warm": [jobs[1], jobs[0]]}
+    clock.now += 3000  # 50 minutes on, the third is the busiest
+    assert stored_after({jobs[2]: 10})["warm"] == [jobs[2], jobs[1]]
+    clock.now += 700  # past the hour: the first push's counts are forgotten
+    assert stored_after({jobs[0]: 1}, {})["warm"] == [jobs[2], jobs[0]]
+
+
+class PrefetchingTwin(TwinBackend):
+    """Replicas that copy an adapter when told to, once ``go`` is set, each answering as
+    ``LoraServer.prefetch_now``."""
+
+    def __init__(self, answers: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.answers = answers
+        self.go = threading.Event()
+        self.asked: list[tuple[str, str]] = []
+
+    def prefetch_adapter(self, base_model: str, adapter_id: str, timeout_s: float) -> list[Any]:
+        self.asked.append((base_model, adapter_id))
+        self.go.wait(timeout_s)
+        return self.answers
+
+
+def test_a_succeeded_jobs_adapter_is_copied_to_the_serving_nodes_before_it_reads_succeeded(
+    settings: Settings, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """With object storage, the controller has every replica of the base model copy the
+    adapter to its node before the job succeeds, off the pass (``None``: not yet), for at
+    most PREFETCH_WAIT_S; the job's event says whether every replica had it before, or
+    which did not and when they will."""
+    from s3 import new_bucket
+    from tunefleet.platform.artifacts import open_store
+    from tunefleet.workers import _serving
+    from tunefleet.workers._serving import PREFETCH_WAIT_S, Serving
+
+    clock = Clock()
+    monkeypatch.setattr(_serving, "time", clock)
+    store = open_store(new_bucket(s3_endpoint), endpoint_url=s3_endpoint, cache_dir=tmp_path)
+    registry = ModelRegistry(settings.resolved_model_registry)
+    url = settings.resolved_database_url
+
+    twin = PrefetchingTwin([{"copied": True, "bytes": 10}, {"copied": True, "bytes": 0}])
+    serving = Serving(settings, twin, registry, url, store)  # type: ignore[arg-type]
+    assert serving.prefetch_before_success("tiny-llama", "ftjob-1") is None  # copying
+    assert serving.prefetch_before_success("tiny-llama", "ftjob-1") is None
+    twin.go.set()
+    deadline = time.monotonic() + 10
+    while (said := serving.prefetch_before_success("tiny-llama", "ftjob-1")) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert twin.asked == [("tiny-llama", "ftjob-1")]  # once, however many passes asked
+    assert said == (
+        "The adapter was copied to the node cache of 2 replica(s) serving tiny-llama before "
+        "the job succeeded: its first request loads from local disk",
+        {"prefetched_replicas": 2, "serving_replicas": 2},
+    )
+
+    # one replica's disk is full; another copy takes longer than the wait
+    twin = PrefetchingTwin([{"copied": True}, {"copied": False, "error": "OSError: disk full"}])
+    twin.go.set()
+    serving = Serving(settings, twin, registry, url, store)  # type: ignore[arg-type]
+    while (said := serving.prefetch_before_success("tiny-llama", "ftjob-2")) is None:
+        time.sleep(0.01)
+    assert said[0].startswith(
+        "The adapter was copied to 1 of 2 replica(s) serving tiny-llama before the job "
+        "succeeded (OSError: disk full); each replica copies it within 2s of success"
+    )
+    twin = PrefetchingTwin([])
+    serving = Serving(settings, twin, registry, url, store)  # type: ignore[arg-type]
+    assert serving.prefetch_before_success("tiny-llama", "ftjob-3") is None
+    clock.now += PREFETCH_WAIT_S  # the job waits no longer
+    said = serving.prefetch_before_success("tiny-llama", "ftjob-3")
+    assert said is not None and "(not done within 30s)" in said[0], said
+    twin.go.set()
+
+    # a local store: replicas read it in place, nothing to copy or say
+    local = ArtifactStore(settings.resolved_artifact_root)
+    serving = Serving(settings, TwinBackend(), registry, url, local)  # type: ignore[arg-type]
+    assert serving.prefetch_before_success("tiny-llama", "ftjob-4") == ("", {})

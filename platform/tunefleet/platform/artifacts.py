@@ -82,6 +82,14 @@ class Keys:
     def merged_key(job_id: str) -> str:
         return f"merged/{job_id}"
 
+    @staticmethod
+    def serving_key(base_model: str) -> str:
+        """The serving configuration of a base model as the controller last pushed it, for
+        a replica starting up to apply before it takes traffic (``LoraServer``). The one
+        key written over and over: read it with ``read_chunks``, never ``local_copy``."""
+        digest = hashlib.sha256(base_model.encode()).hexdigest()[:16]
+        return f"serving/{digest}.json"
+
     CHECKPOINTS = "checkpoints"  # Ray Train's storage_path: {job}/step-N below it
     CHECKPOINT_WEIGHTS = "adapter"  # a checkpoint's weights, in its folder
 

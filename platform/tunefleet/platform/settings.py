@@ -167,6 +167,12 @@ class Settings(BaseSettings):
         description="How often the controller pushes which adapters are merged or pinned to "
         "every serving replica (a change goes at once; a new replica learns it within this).",
     )
+    serve_warm_adapters: int = Field(
+        default=8,
+        ge=0,
+        description="How many of a base model's adapters most requested in the last hour a "
+        "starting serving replica loads before it takes traffic (0: none).",
+    )
     max_upload_bytes: int = Field(
         default=512 * 1024 * 1024, gt=0, description="Largest accepted file upload, in bytes."
     )

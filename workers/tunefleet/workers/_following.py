@@ -26,7 +26,7 @@ from tunefleet.platform.ids import new_id
 from tunefleet.platform.lease import LeaseLost
 from tunefleet.platform.scheduler import after_failure, serving_mode
 from tunefleet.platform.spec import JobSpec, fine_tuned_model_name
-from tunefleet.platform.status import JobStatus, transition
+from tunefleet.platform.status import JobStatus, add_event, transition
 from tunefleet.workers._steps import Writing, failpoint, moved_on, retry_later
 from tunefleet.workers.backend import FAILED, NOT_FOUND, STOPPED, SUCCEEDED, RayBackend
 
@@ -48,6 +48,7 @@ class Following:
         job_alone: Callable[[str], contextlib.AbstractContextManager[None]],
         submit: Callable[[str, str], None],
         ensure_served: Callable[[str], bool],
+        prefetch: Callable[[str, str], tuple[str, dict[str, Any]] | None],
     ):
         self.backend = backend
         self.store = store
@@ -57,6 +58,7 @@ class Following:
         self.job_alone = job_alone
         self.submit = submit
         self.ensure_served = ensure_served
+        self.prefetch = prefetch
 
     def follow(self) -> None:
         """Look at each running job's run once and act on what Ray says of it."""
@@ -176,6 +178,10 @@ class Following:
         # Serving first: a job reads succeeded only once its model answers.
         if not self.ensure_served(base):
             return  # its model server is still starting: a later pass looks again
+        # Then its adapter on the serving nodes (Serving.prefetch_before_success)
+        prefetched = self.prefetch(base, job_id)
+        if prefetched is None:
+            return  # still copying: a later pass looks again
         # The results file's object before the rows naming it: a crash between the two
         # leaves an object nothing names (the next pass writes another), never a row
         # naming nothing; the job succeeds with its File row in one transaction.
@@ -200,6 +206,8 @@ class Following:
                     )
                 )
                 s.add(step_metrics)
+                if prefetched[0]:
+                    add_event(s, job_id, prefetched[0], data=prefetched[1])
                 transition(
                     s,
                     job_id,

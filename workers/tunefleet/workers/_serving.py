@@ -1,7 +1,10 @@
 """Serving, as the controller keeps it: each base model's Serve application deployed once
 (``ensure_served``: a job reads succeeded only once its model answers), and which adapters
 are served merged and which pinned pushed to every replica (``push``). Replicas never read
-the database.
+the database: a replica starting up reads the configuration last pushed from the artifact
+store (``Keys.serving_key``), with the adapters most requested in the last hour (which
+replicas count and report in their answers to a push), and loads those before it takes
+traffic.
 
 Both run off the pass, each on a thread of its own: a deploy lasts as long as its first
 replica takes to load the model (or forever, if the cluster cannot place one), a push
@@ -10,12 +13,16 @@ merges adapters for seconds.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections import Counter, deque
 from concurrent import futures
+from typing import Any
 
 from sqlalchemy import select
 
+from tunefleet.platform.artifacts import S3Store, Store
 from tunefleet.platform.db import Adapter, session_scope
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.serving import serving_config
@@ -27,6 +34,15 @@ log = logging.getLogger(__name__)
 # A base model whose Serve application failed to deploy is tried again after this long.
 SERVE_RETRY_S = 60
 
+# A succeeded job's adapter is copied to its base model's serving nodes before the job
+# reads succeeded, for at most this long; past it the job succeeds, and the replicas copy
+# it with the next push (the newest adapters' prefetch).
+PREFETCH_WAIT_S = 30.0
+
+# A starting replica warms the adapters most requested over this long
+# (``Settings.serve_warm_adapters`` of them).
+WARM_WINDOW_S = 3600.0
+
 
 class Serving:
     """The base models served, the deploys and the configuration pushes in flight."""
@@ -36,9 +52,15 @@ class Serving:
     SERVE_SLOW_S = 600.0
 
     def __init__(
-        self, settings: Settings, backend: RayBackend, registry: ModelRegistry, db_url: str
+        self,
+        settings: Settings,
+        backend: RayBackend,
+        registry: ModelRegistry,
+        db_url: str,
+        store: Store,
     ):
         self.settings = settings
+        self.store = store
         self.backend = backend
         self.registry = registry
         self.db_url = db_url
@@ -55,11 +77,19 @@ class Serving:
         self._push_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="serving-config")
         self._pushing: futures.Future[None] | None = None
         self._next_push = 0.0
+        # base model -> requests per adapter its replicas reported, by monotonic time, over
+        # the last WARM_WINDOW_S; and what its serving_key holds
+        self._uses: dict[str, deque[tuple[float, Counter[str]]]] = {}
+        self._written: dict[str, dict[str, list[str]]] = {}
+        # job id -> (monotonic start, the copy of its adapter to every replica's node)
+        self._prefetches: dict[str, tuple[float, futures.Future[list[Any]]]] = {}
+        self._prefetch_pool = futures.ThreadPoolExecutor(2, thread_name_prefix="prefetch")
 
     def close(self) -> None:
         """Leave the threads without waiting: a deploy may never end."""
         self._serving.shutdown(wait=False, cancel_futures=True)
         self._push_pool.shutdown(wait=False, cancel_futures=True)
+        self._prefetch_pool.shutdown(wait=False, cancel_futures=True)
 
     def prepare(self, base_model: str) -> None:
         """Start deploying ``base_model``'s Serve application, without waiting, unless it
@@ -116,6 +146,55 @@ class Serving:
         self._served.add(base_model)
         return True
 
+    def prefetch_before_success(
+        self, base_model: str, job_id: str
+    ) -> tuple[str, dict[str, Any]] | None:
+        """Copy a succeeded job's adapter from object storage to the node of every replica
+        serving ``base_model``, off the pass: ``None`` while it copies (a later pass asks
+        again), then what the job's events say of it (a message, and data: replicas that
+        copied it, replicas), for at most PREFETCH_WAIT_S. With a local store, replicas
+        read it in place: nothing to copy or say ("")."""
+        if not isinstance(self.store, S3Store):
+            return "", {}
+        if job_id not in self._prefetches:
+            copy = self._prefetch_pool.submit(
+                self.backend.prefetch_adapter, base_model, job_id, PREFETCH_WAIT_S
+            )
+            self._prefetches[job_id] = (time.monotonic(), copy)
+        started, copy = self._prefetches[job_id]
+        if not copy.done() and time.monotonic() - started < PREFETCH_WAIT_S:
+            return None
+        del self._prefetches[job_id]
+        later = (
+            f"each replica copies it within {self.settings.serve_config_push_s:g}s of success "
+            "(the newest adapters' prefetch); a request before then downloads it"
+        )
+        answers: list[Any] = []
+        why = f"not done within {PREFETCH_WAIT_S:.0f}s"
+        if copy.done():
+            try:
+                answers = copy.result()
+                why = "no replica is running"
+            except Exception as exc:
+                why = str(exc)[:300]
+        copied = [a for a in answers if isinstance(a, dict) and a.get("copied")]
+        data = {"prefetched_replicas": len(copied), "serving_replicas": len(answers)}
+        if answers and len(copied) == len(answers):
+            return (
+                f"The adapter was copied to the node cache of {len(copied)} replica(s) serving "
+                f"{base_model} before the job succeeded: its first request loads from local "
+                "disk",
+                data,
+            )
+        if answers:
+            failed = next(a for a in answers if a not in copied)
+            why = failed.get("error", failed) if isinstance(failed, dict) else failed
+        return (
+            f"The adapter was copied to {len(copied)} of {len(answers)} replica(s) serving "
+            f"{base_model} before the job succeeded ({why}); {later}",
+            data,
+        )
+
     def serve_existing_adapters(self) -> None:
         """Deploy the base model of every adapter on record (a controller taking the lead)."""
         with session_scope(self.db_url) as s:
@@ -144,9 +223,54 @@ class Serving:
     def _push(self, wanted: dict[str, dict[str, list[str]]]) -> None:
         for base, config in wanted.items():
             try:
-                self.backend.push_serving_config(base, config)
+                answers = self.backend.push_serving_config(base, config)
             except Exception as exc:  # the next push tries again
                 log.warning("pushing the serving configuration of %s failed: %s", base, exc)
                 self._pushed.pop(base, None)
-            else:
-                self._pushed[base] = config
+                continue
+            self._pushed[base] = config
+            self._count_uses(base, answers)
+            try:
+                self._write_for_new_replicas(base, config)
+            except Exception as exc:  # storage away: the next push writes it
+                log.warning("storing the serving configuration of %s failed: %s", base, exc)
+
+    def _count_uses(self, base: str, answers: list[Any]) -> None:
+        """Add the requests per adapter each replica counted since it last answered."""
+        now = time.monotonic()
+        window = self._uses.setdefault(base, deque())
+        counted: Counter[str] = Counter()
+        for answer in answers:
+            if isinstance(answer, dict):
+                counted.update({a: int(n) for a, n in (answer.get("uses") or {}).items()})
+        if counted:
+            window.append((now, counted))
+        while window and window[0][0] < now - WARM_WINDOW_S:
+            window.popleft()
+
+    def warm(self, base: str) -> list[str]:
+        """The adapters of ``base`` still on record most requested in the last hour, most
+        first (ties by id), ``serve_warm_adapters`` at most."""
+        total: Counter[str] = Counter()
+        for _, counted in self._uses.get(base, ()):
+            total.update(counted)
+        if not total or self.settings.serve_warm_adapters == 0:
+            return []
+        with session_scope(self.db_url) as s:
+            live = set(
+                s.scalars(
+                    select(Adapter.job_id).where(
+                        Adapter.base_model == base, Adapter.job_id.in_(list(total))
+                    )
+                )
+            )
+        ranked = sorted((a for a in total if a in live), key=lambda a: (-total[a], a))
+        return ranked[: self.settings.serve_warm_adapters]
+
+    def _write_for_new_replicas(self, base: str, config: dict[str, list[str]]) -> None:
+        """What a replica starting up applies before it takes traffic (``serving_key``),
+        written when it changed."""
+        stored = {**config, "warm": self.warm(base)}
+        if self._written.get(base) != stored:
+            self.store.write_bytes(self.store.serving_key(base), json.dumps(stored).encode())
+            self._written[base] = stored

@@ -299,6 +299,17 @@ class RayBackend:
         results: list[Any] = handle.broadcast("configure", config).results(timeout_s=600)
         return results
 
+    def prefetch_adapter(self, base_model: str, adapter_id: str, timeout_s: float) -> list[Any]:
+        """Have every live replica of ``base_model``'s application copy the adapter to its
+        node's cache now (``LoraServer.prefetch_now``); what each did."""
+        from ray import serve
+
+        handle = serve.get_deployment_handle("LoraServer", app_name(base_model))
+        results: list[Any] = handle.broadcast("prefetch_now", adapter_id).results(
+            timeout_s=timeout_s
+        )
+        return results
+
     def shutdown(self) -> None:
         import ray
 

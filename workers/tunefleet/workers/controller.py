@@ -83,7 +83,7 @@ class Controller:
         # the steps of a pass, each given what it needs (the fenced session: ``_writing``)
         self.admission = Admission(self.store, self.registry, self.db_url, self._writing)
         self.capacity = CapacityRequests(backend, settings.capacity_wait_s)
-        self.serving = Serving(settings, backend, self.registry, self.db_url)
+        self.serving = Serving(settings, backend, self.registry, self.db_url, self.store)
         self.dispatching = Dispatching(
             settings,
             backend,
@@ -104,6 +104,7 @@ class Controller:
             job_alone=self._job_alone,
             submit=self.dispatching.submit,
             ensure_served=self.serving.ensure_served,
+            prefetch=self.serving.prefetch_before_success,
         )
         self.webhooks = WebhookSender(settings, self.db_url, self._writing)
         self.leading = False

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,7 +51,7 @@ from tunefleet.workers.serve._adapters import (
 )
 from tunefleet.workers.serve._answer import Answer
 from tunefleet.workers.serve._engine import BatchEngine
-from tunefleet.workers.serve._generate import eos_ids
+from tunefleet.workers.serve._generate import Sampling, eos_ids
 from tunefleet.workers.serve._metrics import AdapterMetrics
 from tunefleet.workers.serve._multilora import MultiLoraModel
 from tunefleet.workers.serve._openai_api import (
@@ -86,13 +87,15 @@ class ServingOptions(BaseModel):
 
 
 class ServingConfig(BaseModel):
-    """Which adapters a replica serves merged, which it keeps pinned, and which its node
-    keeps copies of ahead of any request."""
+    """Which adapters a replica serves merged, which it keeps pinned, which its node
+    keeps copies of ahead of any request, and (read at start only) which it loads before
+    it takes traffic: the most requested in the last hour."""
 
     model_config = ConfigDict(extra="forbid")
     merged: list[str] = Field(default_factory=list)
     pinned: list[str] = Field(default_factory=list)
     prefetch: list[str] = Field(default_factory=list)
+    warm: list[str] = Field(default_factory=list)
 
 
 app = FastAPI()
@@ -190,6 +193,56 @@ class LoraServer:
         self._config_lock = threading.Lock()
         self._prefetched: set[str] = set()
         self._prefetching: threading.Thread | None = None
+        self._uses: Counter[str] = Counter()  # requests per adapter since the last push
+        self.warmed = self._warm_up()
+
+    def _warm_up(self) -> list[str]:
+        """Before this replica takes traffic (Serve routes none to it before its
+        constructor returns): apply the serving configuration the controller last stored
+        (``Keys.serving_key``: merged copies, pins, prefetch), load its ``warm`` adapters
+        (the base model's most requested in the last hour) as many as the cache holds, and
+        run one short generation. The first requests after a scale-up or a restart find
+        the busiest adapters loaded and the kernels built. With no configuration stored
+        yet, or storage away, it loads no adapter and the next push brings the rest."""
+        key = self.store.serving_key(self.base_model)
+        wanted = None
+        try:
+            wanted = ServingConfig.model_validate_json(b"".join(self.store.read_chunks(key)))
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # storage away, a file from another version
+            log.warning("warming no adapter: cannot read %s: %s", key, exc)
+        warmed: list[str] = []
+        slots = [0]
+        if wanted is not None:
+            self.apply_config(wanted)
+            for adapter_id in wanted.warm[: self.cache.capacity]:
+                try:
+                    slots.append(self.cache.acquire(adapter_id, hold=False))
+                except (AdapterError, CacheFullError, OSError) as exc:  # deleted meanwhile
+                    log.warning("cannot warm adapter %s: %s", adapter_id, exc)
+                    continue
+                warmed.append(adapter_id)
+            log.info("warmed %d of %d adapters", len(warmed), len(wanted.warm))
+        self._warm_compute(slots[-1])
+        if wanted is not None:
+            self.prefetch(wanted.prefetch)
+        return warmed
+
+    def _warm_compute(self, slot: int) -> None:
+        """One short greedy generation through the engine (with an adapter's ``slot``, so
+        its layers' path runs too): a fresh model's first forward passes build kernels and
+        buffers, hundreds of ms on a CPU, that the first request would wait for."""
+        ended = threading.Event()
+
+        def sink(token: int | None, finish: Any) -> None:
+            if finish is not None:
+                ended.set()
+
+        prompt = list(self.tokenizer("Hello")["input_ids"]) or [self.pad_id]
+        self.engine.submit(prompt, Sampling(max_tokens=4, temperature=0), slot, sink)
+        if not ended.wait(300):
+            log.warning("the warm-up generation did not end in 300 s")
 
     def _pinned_copy(self, adapter_id: str) -> Path:
         pin = self.store.pinned_copy(adapter_weights_key(adapter_id))
@@ -220,12 +273,15 @@ class LoraServer:
     async def configure(self, config: dict[str, Any]) -> dict[str, Any]:
         """Called by the controller on every replica (``RayBackend.push_serving_config``)
         when the platform's serving configuration of this base model changes, and every
-        few seconds so that a new replica learns it; answers what this replica applied."""
+        few seconds so that a new replica learns it; answers what this replica applied,
+        and the requests per adapter it answered since the last call (``uses``: what the
+        controller ranks the adapters to warm by)."""
         wanted = ServingConfig.model_validate(config)
-        if wanted != self.applied:
+        if wanted.model_dump(exclude={"warm"}) != self.applied.model_dump(exclude={"warm"}):
             await asyncio.to_thread(self.apply_config, wanted)
         self.prefetch(wanted.prefetch)
-        return self.applied.model_dump()
+        uses, self._uses = self._uses, Counter()
+        return {**self.applied.model_dump(exclude={"warm"}), "uses": dict(uses)}
 
     def prefetch(self, adapter_ids: list[str]) -> None:
         """Copy ``adapter_ids`` from object storage into this node's cache in a background
@@ -247,6 +303,19 @@ class LoraServer:
 
         self._prefetching = threading.Thread(target=copy_all, name="prefetch", daemon=True)
         self._prefetching.start()
+
+    async def prefetch_now(self, adapter_id: str) -> dict[str, Any]:
+        """Copy one adapter to this node's cache now: the controller's call for a job that
+        just succeeded, before it reads succeeded. What it did: ``copied``, and the bytes
+        read from object storage (0: the node had it)."""
+        before = getattr(self.store, "fetched", None)
+        read = before.bytes if before is not None else 0
+        try:
+            await asyncio.to_thread(self.store.local_copy, adapter_weights_key(adapter_id))
+        except Exception as exc:  # storage away, the node's disk full: on request then
+            return {"copied": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        self._prefetched.add(adapter_id)
+        return {"copied": True, "bytes": (before.bytes - read) if before is not None else 0}
 
     def apply_config(self, wanted: ServingConfig) -> None:
         """Serve ``wanted.merged`` adapters merged and keep ``wanted.pinned`` loaded; requests
@@ -443,6 +512,8 @@ class LoraServer:
         slot = 0
         merged = self.merged.get(adapter_id) if adapter_id else None
         engine = merged or self.engine
+        if adapter_id:
+            self._uses[adapter_id] += 1
         if adapter_id and merged is None:
             # asked of the store (a round trip to object storage) only when not loaded
             if adapter_id not in self.cache and not self.store.exists(
