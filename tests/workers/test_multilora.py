@@ -162,14 +162,17 @@ def test_rows_join_and_leave_a_running_batch(
 def test_cache_evicts_lru_keeps_pinned_and_in_flight(setup: dict[str, Any]) -> None:
     loaded: list[str] = []
     evicted: list[str] = []
+    unloaded: list[str] = []  # what the replica unpins in the node cache
     _, cache = _server(setup, max_adapters=2)
     cache.on_load, cache.on_evict = loaded.append, evicted.append
+    cache.on_unload = unloaded.append
     cache.acquire("a1", pin=True, hold=False)
     s2 = cache.acquire("a2", hold=False)
     s3 = cache.acquire("a3")  # full: a2 is the LRU unpinned one
     assert evicted == ["a2"] and s3 == s2
     with pytest.raises(CacheFullError, match="pinned adapters or adapters with requests"):
         cache.acquire("a4")  # a1 pinned, a3 in flight
+    assert unloaded == ["a2", "a4"]  # evicted, and located but never loaded
     cache.release("a3")
     s4 = cache.acquire("a4", hold=False)
     assert evicted == ["a2", "a3"]
@@ -177,6 +180,7 @@ def test_cache_evicts_lru_keeps_pinned_and_in_flight(setup: dict[str, Any]) -> N
     assert loaded == ["a1", "a2", "a3", "a4"]
     s1 = cache.acquire("a1", pin=False, hold=False)
     assert cache.unload("a1") and not cache.unload("a1")
+    assert unloaded == ["a2", "a4", "a3", "a1"]
     entries = [(e["id"], e["slot"], e["rank"], e["pinned"], e["in_flight"]) for e in cache.loaded()]
     assert entries == [("a4", s4, 16, False, 0)]
     # What a load guarantees: a4's slot holds exactly its file's factors (B times
@@ -213,6 +217,8 @@ def test_unusable_adapters_are_refused_by_name(
 
     _, cache = _server(setup)
     cache.locate = lambda a: tmp_path / a
+    unloaded: list[str] = []
+    cache.on_unload = unloaded.append
     with pytest.raises(AdapterError, match="not a peft adapter folder"):
         cache.acquire("missing")
     base = AutoModelForCausalLM.from_pretrained(tiny_registry / TINY)
@@ -242,6 +248,7 @@ def test_unusable_adapters_are_refused_by_name(
     with pytest.raises(AdapterError, match="not a linear layer of this base model"):
         cache.acquire("deeper")
     assert cache.loaded() == []  # nothing half-loaded
+    assert unloaded == ["missing", "dora", "other", "deeper"]  # nor held in the node cache
 
 
 def test_copy_of_base_is_untouched(setup: dict[str, Any]) -> None:

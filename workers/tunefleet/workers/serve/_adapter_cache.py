@@ -97,6 +97,18 @@ class AdapterCache:
         """The slot of ``adapter_id``, loading it first if needed; with ``hold`` the caller
         has a request in flight and must ``release`` it. The adapter's files are read
         outside the lock: a slow disk holds up no request of a loaded adapter."""
+        try:
+            return self._acquire(adapter_id, pin, hold)
+        except BaseException:
+            # a load that failed after its files were located: what locating held (the
+            # copy's pin in the node cache) is let go
+            with self._lock:
+                loaded = adapter_id in self._entries
+            if not loaded and self.on_unload:
+                self.on_unload(adapter_id)
+            raise
+
+    def _acquire(self, adapter_id: str, pin: bool | None, hold: bool) -> int:
         parts: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         started = time.perf_counter()
         with self._lock:
