@@ -66,3 +66,57 @@ def test_a_sharded_model_is_listed_and_loads_and_a_missing_shard_is_named(
     # and a name that is not a folder of the registry is unknown, as before
     with pytest.raises(InvalidRequest, match=r"unknown base model '\.\./tiny-sharded'"):
         models.require("../tiny-sharded")
+
+
+# Tiny random configs of each Llama-family architecture the planner knows (transformers
+# model types), at the tiny Llama's sizes.
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_the_planners_parameter_counts_are_the_real_models(model_type: str) -> None:
+    """Total, LoRA (every projection) and bias parameters as the planner counts them from
+    the saved config are what the real model, and peft on it, count."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tunefleet.platform.planner import LINEAR_MODULES, ModelShape, lora_params
+
+    config = AutoConfig.for_model(
+        model_type, vocab_size=320, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    saved = json.loads(model.config.to_json_string())  # what config.json holds
+    shape = ModelShape.from_config(saved)
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    biases = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".bias"))
+    assert shape.bias_params == biases
+    assert (biases > 0) == (model_type == "qwen2")  # Qwen2's q, k and v
+    lora = get_peft_model(model, LoraConfig(r=8, target_modules=list(LINEAR_MODULES)))
+    trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert lora_params(shape, 8, list(LINEAR_MODULES)) == trainable
+
+
+def test_bitfit_is_offered_on_qwen2s_biases_and_refused_on_llamas_none() -> None:
+    """Qwen2's configs say nothing of biases (its q, k and v always have them): BitFit
+    is decided by what the planner counts, not by the config's attention_bias."""
+    from transformers import AutoConfig
+
+    from tunefleet.platform.jobs import JobCreateRequest, build_spec
+
+    req = JobCreateRequest.model_validate(
+        {"model": "m", "training_file": "file-1", "tunefleet": {"method": "bitfit"}}
+    )
+    sizes = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4}  # fmt: skip
+    for model_type, offered in (("qwen2", True), ("llama", False)):
+        config = json.loads(AutoConfig.for_model(model_type, **sizes).to_json_string())
+        assert "attention_bias" not in config or not config["attention_bias"]
+        if offered:
+            spec, _ = build_spec(req, job_id="j", tenant_id="t", config=config, examples=8)
+            assert spec.tunefleet.method == "bitfit"
+        else:
+            with pytest.raises(InvalidRequest, match="BitFit trains only the bias terms"):
+                build_spec(req, job_id="j", tenant_id="t", config=config, examples=8)

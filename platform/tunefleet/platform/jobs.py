@@ -35,7 +35,13 @@ from tunefleet.platform.errors import InvalidRequest, NotFound, QuotaExceeded
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.outbound import PUBLIC_ONLY, OutboundPolicy, OutboundRefused
-from tunefleet.platform.planner import PlanDevice, chart_of_plan, plan_for_spec, resolve_spec
+from tunefleet.platform.planner import (
+    ModelShape,
+    PlanDevice,
+    chart_of_plan,
+    plan_for_spec,
+    resolve_spec,
+)
 from tunefleet.platform.spec import (
     AUTO_PRECISION,
     BASE_LEARNING_RATE,
@@ -369,7 +375,7 @@ def build_spec(
     model (BitFit needs bias terms)."""
     options = req.options
     if options.method == "bitfit" and not (
-        config.get("attention_bias") or config.get("mlp_bias") or config.get("bias")
+        config.get("bias") or ModelShape.from_config(config).bias_params  # Qwen2's q, k, v
     ):
         raise InvalidRequest(
             f"BitFit trains only the bias terms, and {req.model!r} has none "

@@ -7,8 +7,12 @@ without gradient checkpointing; the logits. Then the seeds' tuning path: fits ->
 with checkpointing -> DDP + checkpointing; else FSDP ZeRO-3; else + CPU offload; else say
 what would be needed.
 
-Model shapes come from a Hugging Face config (Llama family: Llama, SmolLM2, Mistral, Qwen2
-without biases). No torch here: parameter counts are exact arithmetic over the shapes.
+Model shapes come from a Hugging Face config of a Llama-family decoder, whose layers have
+the same seven projections: Llama, SmolLM2, Mistral, Qwen2 (biased q, k and v), Qwen3 and
+Gemma 3 (a norm on each head's queries and keys), Gemma 2 and 3 (norms before and after
+attention and the MLP: ``FAMILY_TRAITS``). No torch here: parameter counts are exact
+arithmetic over the shapes (``tests/workers/test_model_registry.py`` holds them to real
+models of each).
 
 Glossary: *trainable* parameters get gradients and optimizer states; *frozen* ones only
 weights. *Mixed precision* (bf16/fp16) keeps working weights and gradients in 16 bits and
@@ -42,6 +46,16 @@ NF4_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax constant per 64 weig
 DQ_BLOCK = 256  # double quantization: absmaxes in 8 bits, one fp32 constant per 256 of them
 
 
+# What sets an architecture's layers apart from Llama's, by the config's model_type:
+# (q, k and v always biased, a norm on each head's queries and keys, norms per layer).
+FAMILY_TRAITS: dict[str, tuple[bool, bool, int]] = {
+    "qwen2": (True, False, 2),
+    "qwen3": (False, True, 2),
+    "gemma2": (False, False, 4),
+    "gemma3_text": (False, True, 4),  # Gemma3ForCausalLM
+}
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a Llama-family decoder that memory depends on."""
@@ -56,11 +70,15 @@ class ModelShape:
     tie_word_embeddings: bool
     attention_bias: bool = False
     mlp_bias: bool = False
+    qkv_bias: bool = False  # Qwen2: q, k and v have biases whatever attention_bias says
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm of head_dim on queries and keys
+    norms_per_layer: int = 2  # Gemma 2 and 3: four
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        qkv_bias, qk_norm, norms = FAMILY_TRAITS.get(cfg.get("model_type", ""), (False, False, 2))
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -72,6 +90,9 @@ class ModelShape:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            norms_per_layer=norms,
         )
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
@@ -97,13 +118,17 @@ class ModelShape:
 
     @property
     def norm_params(self) -> int:
-        return (2 * self.num_layers + 1) * self.hidden_size
+        qk = 2 * self.head_dim if self.qk_norm else 0
+        return (self.norms_per_layer * self.num_layers + 1) * self.hidden_size + (
+            self.num_layers * qk
+        )
 
     @property
     def bias_params(self) -> int:
         """Bias terms of the projections (attention_bias, mlp_bias): what BitFit trains."""
         shapes = self.linear_shapes()
-        biased = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if self.attention_bias]
+        attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+        biased = [n for n in attention if self.attention_bias or (self.qkv_bias and n != "o_proj")]
         biased += [n for n in ("gate_proj", "up_proj", "down_proj") if self.mlp_bias]
         return self.num_layers * sum(shapes[n][1] for n in biased)
 
