@@ -10,12 +10,13 @@ import contextlib
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from raycluster import free_port
 
 
 def pg_bin() -> Path | None:
@@ -23,12 +24,6 @@ def pg_bin() -> Path | None:
         return Path(found).parent
     versions = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
     return Path(versions[-1]).parent if versions else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class PgServer:
@@ -69,7 +64,7 @@ def postgres_server(*, durable: bool = False) -> Iterator[PgServer]:
     if as_root:
         shutil.chown(base, "postgres")
         os.chmod(base, 0o700)
-    port = _free_port()
+    port = free_port()
     subprocess.run(
         [
             *run_as,

@@ -28,10 +28,21 @@ _SCRIPT = Path(sys.executable).parent / "ray"
 RAY = (str(_SCRIPT),) if _SCRIPT.exists() else (sys.executable, "-m", "ray.scripts.scripts")
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now, and never one this process was given before: the
+    kernel hands a just-closed port out again, and one `ray start` given the same port for
+    two of its components exits ("... is trying to use a port number 50349 that is used by
+    other components", a CI run's)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 @dataclass(frozen=True)
