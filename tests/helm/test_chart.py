@@ -794,3 +794,34 @@ def test_pods_that_cache_artifacts_request_the_cache_and_tell_the_app_its_size()
     assert caching(local)
     for name, c, _ in caching(local):
         assert "ephemeral-storage" not in c["resources"].get("requests", {}), name
+
+
+def test_only_the_api_may_write_the_models_claim_and_only_when_told() -> None:
+    """A models claim is mounted read-only on every pod, unless `models.writable`: then the
+    API's pods (which add and remove base models) mount it read-write and every other pod
+    (the controller, the Ray nodes) still read-only."""
+
+    def models_mounts(objects: list[dict[str, Any]]) -> dict[str, tuple[bool, bool]]:
+        found = {}
+        for obj in objects:
+            for spec in pod_specs(obj):
+                (volume,) = [v for v in spec.get("volumes", []) if v["name"] == "models"] or [None]
+                for c in spec["containers"]:
+                    for m in c.get("volumeMounts", []):
+                        if m["name"] == "models":
+                            assert volume is not None
+                            claim = volume["persistentVolumeClaim"]
+                            assert claim["claimName"] == "registry"
+                            key = f"{obj['metadata']['name']}/{c['name']}"
+                            found[key] = (m["readOnly"], claim["readOnly"])
+        return found
+
+    kept = models_mounts(render(variant("s3"), "models.existingClaim=registry"))
+    assert {name.split("/")[0].rsplit("-", 1)[-1] for name in kept} >= {"api", "controller", "ray"}
+    assert all(mount and claim for mount, claim in kept.values()), kept
+    writable = models_mounts(
+        render(variant("s3"), "models.existingClaim=registry", "models.writable=true")
+    )
+    assert writable.keys() == kept.keys()
+    for name, (read_only, _claim) in writable.items():
+        assert read_only == (not name.split("/")[0].endswith("-api")), name

@@ -281,6 +281,33 @@ class RevokedKey(_Open):
     revoked: bool
 
 
+class BaseModelObject(_Open):
+    id: str
+    object: Literal["base_model"]
+    created: int
+    architecture: str | None = None
+    model_type: str | None = None
+    parameters: int | None = None
+    weight_bytes: int | None = None
+    shards: int | None = None
+    dtypes: list[str] | None = None
+    context_length: int | None = None
+    problem: str | None = Field(
+        description="Why the folder would be refused on add (placed by hand); null: none."
+    )
+
+
+class BaseModelList(_Open):
+    object: Literal["list"]
+    data: list[BaseModelObject]
+
+
+class DeletedBaseModel(_Open):
+    id: str
+    object: Literal["base_model"]
+    deleted: bool
+
+
 class AdminJobList(_Open):
     object: Literal["list"]
     data: list[JobObject]

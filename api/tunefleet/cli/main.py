@@ -14,6 +14,7 @@ import typer
 
 from tunefleet.cli._client import files_app, jobs_app
 from tunefleet.platform import audit
+from tunefleet.platform.base_models import add_base_model, base_model_view, remove_base_model
 from tunefleet.platform.db import session_scope
 from tunefleet.platform.db.migrate import downgrade as db_downgrade
 from tunefleet.platform.db.migrate import upgrade as db_upgrade
@@ -239,10 +240,54 @@ def models_prepare() -> None:
 
 
 @models_app.command("list")
-def models_list() -> None:
+def models_list(
+    details: Annotated[
+        bool, typer.Option("--json", help="Print each model's check as JSON lines.")
+    ] = False,
+) -> None:
     """List the base models in the registry."""
-    for name in ModelRegistry(get_settings().resolved_model_registry).names():
-        typer.echo(name)
+    registry = ModelRegistry(get_settings().resolved_model_registry)
+    for name in registry.names():
+        typer.echo(json.dumps(base_model_view(registry, name)) if details else name)
+
+
+@models_app.command("add")
+def models_add(
+    name: str,
+    source: Annotated[
+        str, typer.Argument(help="A model folder on this machine, or s3:// in the store.")
+    ],
+    chat_template: Annotated[
+        typer.FileText | None,
+        typer.Option(help="A Jinja chat template file, for a model whose folder has none."),
+    ] = None,
+) -> None:
+    """Check a model (config and weights agree, a supported architecture, a tokenizer, a
+    chat template) and copy it into the registry as NAME; prints what it holds as JSON."""
+    from tunefleet.platform.artifacts import artifact_store
+
+    settings = get_settings()
+    with _admin_session() as s:
+        view = add_base_model(
+            s,
+            ModelRegistry(settings.resolved_model_registry),
+            artifact_store(settings),
+            name,
+            source,
+            actor=audit.CLI,
+            chat_template=chat_template.read() if chat_template else None,
+            any_path=True,
+        )
+    typer.echo(json.dumps(view))
+
+
+@models_app.command("remove")
+def models_remove(name: str) -> None:
+    """Remove base model NAME, refused while an unfinished job or an adapter uses it."""
+    settings = get_settings()
+    with _admin_session() as s:
+        remove_base_model(s, ModelRegistry(settings.resolved_model_registry), name, actor=audit.CLI)
+    typer.echo(f"removed {name}")
 
 
 @admin_app.command("create-tenant")

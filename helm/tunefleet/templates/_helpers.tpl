@@ -232,10 +232,12 @@ tunefleet.io/member: {{ .Release.Name | quote }}
 {{- end }}
 {{- if .Values.models.existingClaim }}
 - name: models
-  persistentVolumeClaim: {claimName: {{ .Values.models.existingClaim }}, readOnly: true}
+  persistentVolumeClaim: {claimName: {{ .Values.models.existingClaim }}, readOnly: {{ not .Values.models.writable }}}
 {{- end }}
 {{- end }}
 
+{{/* The mounts; the API passes the root merged with (dict "modelsWritable" true): only its
+     pods may write the models claim, and only with models.writable */}}
 {{- define "tunefleet.volumeMounts" -}}
 - {name: tmp, mountPath: /tmp}
 - {name: data, mountPath: /data}
@@ -244,7 +246,7 @@ tunefleet.io/member: {{ .Release.Name | quote }}
 - {name: artifacts, mountPath: /artifacts}
 {{- end }}
 {{- if .Values.models.existingClaim }}
-- {name: models, mountPath: {{ .Values.models.path }}, readOnly: true}
+- {name: models, mountPath: {{ .Values.models.path }}, readOnly: {{ not (and .Values.models.writable .modelsWritable) }}}
 {{- end }}
 {{- end }}
 

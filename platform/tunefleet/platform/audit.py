@@ -8,6 +8,7 @@ act's own transaction: an act is never stored without its entry. Acts recorded:
 - ``tenant.create``, ``tenant.quotas``; ``key.create``, ``key.revoke``;
 - ``adapter.serving`` (merged or multiplexed, pinned);
 - ``webhook.create``, ``webhook.delete``;
+- ``base_model.add`` (with its source), ``base_model.remove``;
 - ``job.pause``, ``job.resume``, ``job.cancel`` on another tenant's job (an admin on the
   dashboard). Every pause, resume and cancel, anyone's, also names its actor in the job's
   own event.

@@ -79,6 +79,13 @@ class Settings(BaseSettings):
         description="Folder of base models in safetensors form, one sub-folder each. "
         "Default data_dir/models.",
     )
+    model_import_dir: Path | None = Field(
+        default=None,
+        description="A folder the admin API may add base models from (a mounted volume "
+        "of model folders): `POST /v1/admin/base_models` takes local paths inside it only. "
+        "None: the API adds from object storage only (`tunefleet models add` on the "
+        "machine takes any folder).",
+    )
     ray_address: str = Field(
         default="",
         description="Ray cluster to use (`auto` or host:port). Empty starts a local one.",

@@ -8,12 +8,15 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
-from tunefleet.api._deps import PrincipalDep, SessionDep, SettingsDep
+from tunefleet.api._deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep, StoreDep
 from tunefleet.api._openapi import (
     AdapterList,
     AdapterServing,
     AdminJobList,
     AuditList,
+    BaseModelList,
+    BaseModelObject,
+    DeletedBaseModel,
     DeletedWebhookEndpoint,
     NewKey,
     NewTenant,
@@ -28,8 +31,9 @@ from tunefleet.api._openapi import (
 )
 from tunefleet.platform import audit, tenants, webhooks
 from tunefleet.platform.audit import Actor
+from tunefleet.platform.base_models import add_base_model, base_model_view, remove_base_model
 from tunefleet.platform.db import Adapter, Job, Tenant
-from tunefleet.platform.errors import Forbidden
+from tunefleet.platform.errors import Forbidden, NotFound
 from tunefleet.platform.inference_limits import MAX_RATE
 from tunefleet.platform.jobs import job_view
 from tunefleet.platform.serving import ServingMode, describe, set_serving
@@ -312,3 +316,67 @@ def audit_log(
         "has_more": more,
         "last_id": data[-1]["id"] if data else None,
     }
+
+
+class BaseModelCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=128, description="The model's name in the registry and in jobs.")
+    source: str = Field(
+        max_length=2048,
+        description="An s3:// folder in the artifact store, or a folder inside "
+        "TUNEFLEET_MODEL_IMPORT_DIR, as transformers' save_pretrained writes one.",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        max_length=1 << 20,
+        description="A Jinja chat template, for a model whose folder has none.",
+    )
+
+
+@router.get("/base_models", responses=ok(BaseModelList))
+def list_base_models(_: AdminDep, registry: RegistryDep) -> dict[str, Any]:
+    """The registry's base models, each with what its folder holds (architecture,
+    parameters, weights) or the problem a folder placed by hand has."""
+    return {"object": "list", "data": [base_model_view(registry, n) for n in registry.names()]}
+
+
+@router.post("/base_models", responses={**ok(BaseModelObject), **errors(409)})
+def create_base_model(
+    body: BaseModelCreate,
+    session: SessionDep,
+    admin: AdminDep,
+    registry: RegistryDep,
+    store: StoreDep,
+    settings: SettingsDep,
+) -> dict[str, Any]:
+    """Check a model (config and weights agree, a supported architecture, a tokenizer and
+    a chat template) and copy it into the registry; jobs may name it once this answers."""
+    view = add_base_model(
+        session,
+        registry,
+        store,
+        body.name,
+        body.source,
+        actor=Actor.of(admin, "api"),
+        chat_template=body.chat_template,
+        import_dir=settings.model_import_dir,
+    )
+    session.commit()
+    return view
+
+
+@router.get("/base_models/{name}", responses={**ok(BaseModelObject), **errors(404)})
+def get_base_model(name: str, _: AdminDep, registry: RegistryDep) -> dict[str, Any]:
+    if name not in registry.names():
+        raise NotFound(f"no base model {name!r} in the registry", param="name")
+    return base_model_view(registry, name)
+
+
+@router.delete("/base_models/{name}", responses={**ok(DeletedBaseModel), **errors(404, 409)})
+def delete_base_model(
+    name: str, session: SessionDep, admin: AdminDep, registry: RegistryDep
+) -> dict[str, Any]:
+    """Remove a model no unfinished job and no adapter uses (409 naming them otherwise)."""
+    gone = remove_base_model(session, registry, name, actor=Actor.of(admin, "api"))
+    session.commit()
+    return gone
