@@ -116,7 +116,19 @@ def assert_close64(actual: torch.Tensor, expected: torch.Tensor, msg: Any = None
     torch.testing.assert_close(actual, expected, rtol=0, atol=atol, msg=msg)
 
 
-def logit_error(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+# What other architectures' layers add to FORWARD's path, per layer (the tiny models of
+# ``tinyllm.build_tiny_model``: hidden 64, head dim 16): Gemma 2 and 3 normalize four
+# times a layer where Llama does twice (+2 x 64), Qwen3 and Gemma 3 normalize each head's
+# queries and keys (+16). Qwen2's biases and Mistral's window add no reduction.
+LAYER_EXTRA = {"gemma2": 128, "gemma3_text": 128 + 16, "qwen3": 16}
+
+
+def forward_for(model_type: str, layers: int = 2) -> int:
+    """FORWARD for the tiny model of ``model_type``."""
+    return FORWARD + layers * LAYER_EXTRA.get(model_type, 0)
+
+
+def logit_error(model: Any, hidden: torch.Tensor, forward: int = FORWARD) -> torch.Tensor:
     """For each position of ``hidden`` (the last hidden states of ``model``, float64,
     ``[positions, hidden]``), how far a float32 computation of its logits may be from the
     exact ones: ``FORWARD * U32`` times the magnitudes the output layer sums, the largest
@@ -126,7 +138,7 @@ def logit_error(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     EPYC were 1.4e-5 at most from the float64 ones."""
     head = model.get_output_embeddings().weight.detach().abs()
     magnitude = (hidden.abs() @ head.T).amax(-1)
-    return FORWARD * (U32 + U64) * magnitude
+    return forward * (U32 + U64) * magnitude
 
 
 def assert_greedy(
@@ -137,6 +149,7 @@ def assert_greedy(
     eos: set[int],
     adjust: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
     msg: Any = None,
+    forward: int = FORWARD,
 ) -> int:
     """``tokens`` (cut before an end-of-text token) are a float32 greedy decode of
     ``prompt`` by ``model`` (given in float64, ``double``): at every step the token chosen
@@ -146,13 +159,14 @@ def assert_greedy(
     are further apart, the token is the float64 argmax itself, on every CPU; at a near tie
     either will do, and the decode goes on from the one it chose. ``adjust(scores,
     tokens_so_far)`` changes the scores first (penalties, biases; one more rounding).
+    ``forward``: the model's reduction lengths (``forward_for`` its architecture).
     Returns how many choices were decided (no near tie)."""
     assert len(tokens) <= max_tokens, msg
     with torch.inference_mode(), float64():
         out = model(input_ids=torch.tensor([prompt + tokens]), output_hidden_states=True)
         at = slice(len(prompt) - 1, len(prompt) + len(tokens))
         logits, hidden = out.logits[0, at], out.hidden_states[-1][0, at]
-        errors = logit_error(model, hidden).tolist()
+        errors = logit_error(model, hidden, forward).tolist()
         decided = 0
         for step, error in enumerate(errors):
             scores = logits[step] if adjust is None else adjust(logits[step], tokens[:step])

@@ -1,4 +1,5 @@
-"""Tiny random Llama models and a small tokenizer, built on the fly for tests (no hub)."""
+"""Tiny random models (Llama and the other supported architectures) and a small
+tokenizer, built on the fly for tests (no hub)."""
 
 from __future__ import annotations
 
@@ -58,33 +59,51 @@ def multiplier_for(rate: float, method: str = "lora", objective: str = "supervis
 def build_tiny_llama(
     folder: Path, *, seed: int = 0, layers: int = 2, hidden: int = HIDDEN, bias: bool = False
 ) -> Path:
-    """Write a random Llama (safetensors) and the tokenizer into ``folder``."""
+    """Write a random Llama (safetensors) and the tokenizer into ``folder``; ``bias``:
+    biases on every projection, for BitFit."""
+    return build_tiny_model(
+        folder, "llama", seed=seed, layers=layers, hidden=hidden, attention_bias=bias, mlp_bias=bias
+    )
+
+
+def build_tiny_model(
+    folder: Path,
+    model_type: str,
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = HIDDEN,
+    **config: object,
+) -> Path:
+    """Write a random causal LM of transformers' ``model_type`` (``llama``, ``qwen2``,
+    ``gemma3_text``, ...) in safetensors, with the tokenizer, into ``folder``: 4 query and
+    2 key/value heads of ``hidden / 4``, an MLP twice as wide; ``config`` overrides."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     build_tokenizer(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        attention_bias=bias,  # biases for BitFit
-        mlp_bias=bias,
-        # Larger than Llama's 0.02 so a frozen random head can still express a confident
+    settings = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden // 4,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": None,
+        # Larger than the usual 0.02 so a frozen random head can still express a confident
         # next token: LoRA on the body then learns a synthetic task in a few steps.
-        initializer_range=0.2,
-    )
+        "initializer_range": 0.2,
+        **config,
+    }
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings))
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 

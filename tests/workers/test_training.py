@@ -134,7 +134,7 @@ def _job(
     with session_scope(env["url"]) as s:
         req = JobCreateRequest.model_validate(
             {
-                "model": BIASED,
+                "model": more.pop("model", BIASED),
                 "training_file": env["file"],
                 "seed": 3,
                 "hyperparameters": {
@@ -241,6 +241,38 @@ def TRACKED(env: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+# Architectures besides Llama, each trained with LoRA and QLoRA and served: transformers'
+# model type -> config overrides. A window of 8 tokens, shorter than the training rows and
+# the served prompts and answers, so the sliding-window layers really slide.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 8},
+    "qwen2": {},
+    "qwen3": {},
+    "gemma2": {"sliding_window": 8},
+    "gemma3_text": {"sliding_window": 8},
+}
+ARCH_METHODS = {  # method -> options
+    "lora": {"lora": {"target_modules": ["all-linear"]}, "merged_model": True},
+    "qlora": {"qlora": {"compute_dtype": "float32"}, "merged_model": True},
+}
+
+
+def _arch_model(env: dict[str, Any], model_type: str) -> str:
+    from tinyllm import build_tiny_model
+
+    name = f"tiny-{model_type.replace('_', '-')}"
+    folder = env["data"] / "models" / name
+    if not folder.exists():
+        build_tiny_model(folder, model_type, **ARCHITECTURES[model_type])
+    return name
+
+
+def _arch_job(env: dict[str, Any], model_type: str, method: str) -> str:
+    return _job(
+        env, 4, 20, {"method": method, **ARCH_METHODS[method]}, model=_arch_model(env, model_type)
+    )
+
+
 def _superseded_job(env: dict[str, Any]) -> str:
     """A run that is no longer its job's current one (the job was paused and resumed before
     it looked, and another run started): it checkpoints and leaves."""
@@ -281,6 +313,9 @@ def _every_run(env: dict[str, Any]) -> dict[str, Callable[[], str]]:
         )
     jobs["tracked"] = partial(_job, env, 4, 20, {"method": "lora"}, integrations=TRACKED(env))
     jobs["superseded"] = partial(_superseded_job, env)
+    for model_type in ARCHITECTURES:
+        for method in ARCH_METHODS:
+            jobs[f"{model_type}-{method}"] = partial(_arch_job, env, model_type, method)
     return jobs
 
 
@@ -420,6 +455,81 @@ def _check_merged(
         bound = 3 * logit_error(reference, out.hidden_states[-1][0])
     apart = (got - out.logits[0]).abs().amax(-1)
     assert (apart <= bound).all(), (apart, bound)
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        pytest.param(t, marks=pytest.mark.runs(*(f"{t}-{m}" for m in ARCH_METHODS)))
+        for t in ARCHITECTURES
+    ],
+)
+def test_each_architecture_trains_lora_and_qlora_and_both_are_served_as_peft_computes(
+    ray_env: dict[str, Any], runs: dict[str, Any], model_type: str
+) -> None:
+    """Every supported architecture besides Llama (whose methods the cases above cover):
+    a LoRA job on every linear layer and a QLoRA job train (the loss falls), the planner
+    counted the model's parameters as peft does, and each adapter is served unmerged by
+    the multi-LoRA engine (QLoRA's on the NF4 base it trained on) and merged into a copy
+    of the base (serving's own merge), both decoding as peft computes in float64; the
+    merged model the job saved is checked as for Llama."""
+    from peft import PeftModel
+
+    from float64 import assert_greedy, double, forward_for
+    from tunefleet.platform.model_check import check_model_folder
+    from tunefleet.workers._nf4 import dequantize_4bit_model
+    from tunefleet.workers.serve._adapter_cache import AdapterCache
+    from tunefleet.workers.serve._adapters import load_serving_base, merge_into_copy
+    from tunefleet.workers.serve._engine import BatchEngine, generate_all
+    from tunefleet.workers.serve._generate import Sampling, eos_ids
+    from tunefleet.workers.serve._multilora import MultiLoraModel
+
+    settings = get_settings()
+    store = ArtifactStore(settings.resolved_artifact_root)
+    path = settings.resolved_model_registry / _arch_model(ray_env, model_type)
+    parameters = check_model_folder(path).parameters  # the planner's count (its own test)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    # longer than the window of 8, so the served answers are attended through it
+    prompts = [tok(t)["input_ids"] for t in ("what color is the sky one two three", "hi")]
+    greedy = Sampling(max_tokens=12, temperature=0.0)
+    for method in ARCH_METHODS:
+        job_id, error = runs[f"{model_type}-{method}"]
+        assert error is None, (model_type, method, error)
+        events = _events(ray_env, job_id)
+        start = next(e for e in events if e.message.startswith("Training "))
+        assert start.data["method"] == method
+        if method == "lora":  # peft counts a 4-bit weight's packed bytes, not its values
+            trainable = start.data["trainable_parameters"]
+            assert start.data["total_parameters"] - trainable == parameters
+        losses = [e.data["train_loss"] for e in events if e.type == "metrics"]
+        assert len(losses) == 8, losses
+        assert sum(losses[-2:]) / 2 < 0.8 * sum(losses[:2]) / 2, (model_type, method, losses)
+
+        saved = store.path(store.adapter_key(job_id))
+        _check_merged(store, job_id, path, saved, method)
+        quantization = "nf4" if method == "qlora" else "none"
+        base = load_serving_base(path, quantization)
+        exact = dequantize_4bit_model(load_serving_base(path, "nf4")) if method == "qlora" else (
+            load_serving_base(path)
+        )  # fmt: skip
+        reference = double(PeftModel.from_pretrained(exact, str(saved)).eval())
+        lora = MultiLoraModel(base, max_adapters=2)
+        slot = AdapterCache(lora, locate=lambda _, at=saved: at).acquire(job_id, hold=False)
+        eos = eos_ids(base, tok)
+        merged = merge_into_copy(lora.base_copy(), saved)
+        served = {
+            "unmerged": (BatchEngine(lora, eos), slot),
+            "merged": (BatchEngine(MultiLoraModel(merged, max_adapters=1), eos), 0),
+        }
+        for how, (engine, index) in served.items():
+            got = generate_all(engine, tok, [(p, greedy, index) for p in prompts])
+            for prompt, answer in zip(prompts, got, strict=True):
+                assert_greedy(
+                    reference, prompt, answer.token_ids, greedy.max_tokens, eos,
+                    msg=(model_type, method, how), forward=forward_for(model_type),
+                )  # fmt: skip
 
 
 DISTRIBUTIONS = {

@@ -89,7 +89,7 @@ def load_base(spec: JobSpec, model_path: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     opts = spec.tunefleet
-    kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
+    kwargs: dict[str, Any] = {"attn_implementation": attention_for(model_path)}
     if opts.rope_scaling is not None:
         kwargs["config"] = rope_scaled_config(model_path, opts.rope_scaling)
     if opts.method == "qlora":
@@ -108,6 +108,17 @@ def load_base(spec: JobSpec, model_path: str) -> Any:
     else:
         kwargs["dtype"] = DTYPES[opts.precision]  # a frozen base in 16 bits
     return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+
+
+def attention_for(model_path: str) -> str:
+    """PyTorch's fused attention (``sdpa``) where the architecture supports it; else
+    transformers' own (``eager``): Gemma 2, whose soft-capped attention scores sdpa cannot
+    compute."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_path))]
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
 def rope_scaled_config(model_path: str, scaling: Any) -> Any:
