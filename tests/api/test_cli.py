@@ -139,3 +139,30 @@ def test_admin_webhook_commands(
         )
     finally:
         get_settings.cache_clear()
+
+
+def test_cli_imports_an_adapters_folder_and_names_a_wrong_one(
+    server: str, key_a: str, tmp_path: Path, settings: Settings
+) -> None:
+    """`tunefleet adapters import BASE NAME FOLDER` packs and uploads the folder and imports
+    it; an adapter of another model is refused in the API's words, exit code 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tinyllm import build_tiny_llama, save_random_lora
+
+    runner = CliRunner()
+    env = {"TUNEFLEET_API_URL": server, "TUNEFLEET_API_KEY": key_a}
+    path = settings.resolved_model_registry / "tiny-llama"
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    folder = save_random_lora(base, tmp_path / "mine", r=4)
+    out = runner.invoke(app, ["adapters", "import", "tiny-llama", "mine", str(folder)], env=env)
+    assert out.exit_code == 0, out.output
+    model = json.loads(out.output)
+    assert model["id"].startswith("ft:tiny-llama:tenant-a:mine:adapter-")
+    assert model["tunefleet"]["r"] == 4
+    wider = build_tiny_llama(tmp_path / "wider", hidden=96)
+    other = save_random_lora(AutoModelForCausalLM.from_pretrained(wider), tmp_path / "other")
+    out = runner.invoke(app, ["adapters", "import", "tiny-llama", "other", str(other)], env=env)
+    assert out.exit_code == 1
+    assert "400 invalid_adapter" in out.output and "q_proj.lora_A.weight has shape" in out.output

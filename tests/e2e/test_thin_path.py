@@ -1285,3 +1285,76 @@ def test_openai_sdk_deletes_a_fine_tuned_model_and_it_stops_answering(
         sdk.models.delete(TINY)
     _no_server_errors(sdk)
     sdk.http.close()
+
+
+def test_an_imported_adapter_answers_through_real_serving(
+    stack: dict[str, Any], tiny_registry: Path, tmp_path: Path
+) -> None:
+    """globex uploads a LoRA adapter peft saved (a .tar) and imports it; the controller
+    serves its base (an imported adapter's base no run prepared), and the model answers
+    chat completions through Ray Serve as peft computes with that adapter: wherever no
+    near tie leaves the float32 argmax open, the very tokens of peft's float64 decode."""
+    import io
+    import tarfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from float64 import assert_greedy, double
+    from tinyllm import save_random_lora
+
+    path = tiny_registry / TINY
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    folder = save_random_lora(base, tmp_path / "brought", r=8, alpha=16, seed=11,
+                              targets=("q_proj", "v_proj", "o_proj"))  # fmt: skip
+    packed = io.BytesIO()
+    with tarfile.open(fileobj=packed, mode="w") as tar:
+        tar.add(folder, arcname="brought")
+    key = stack["keys"]["globex"]
+    client = httpx.Client(
+        base_url=stack["url"], timeout=300, headers={"Authorization": f"Bearer {key}"}
+    )
+    up = client.post("/v1/files", data={"purpose": "adapter"},
+                     files={"file": ("brought.tar", packed.getvalue())})  # fmt: skip
+    assert up.status_code == 200, up.text
+    made = client.post("/v1/models", json={"base_model": TINY, "name": "brought",
+                                            "file_id": up.json()["id"]})  # fmt: skip
+    assert made.status_code == 200, made.text
+    model = made.json()["id"]
+
+    from peft import PeftModel
+
+    reference = double(PeftModel.from_pretrained(base, str(folder)).eval())
+    tok = AutoTokenizer.from_pretrained(path)
+    sdk = _tracked_sdk(stack, "globex")
+    messages = [{"role": "user", "content": "what color is an apple"}]
+    deadline = time.monotonic() + 240
+    while True:  # until its base is served (the controller deploys it within a pass or so)
+        try:
+            answer = sdk.chat.completions.create(
+                model=model, messages=messages, max_tokens=8, temperature=0
+            )
+            break
+        except Exception:
+            assert time.monotonic() < deadline, "the imported adapter's model never answered"
+            time.sleep(2)
+    prompt = list(  # as serving builds it
+        tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+    )
+    eos = {tok.eos_token_id}
+    # peft's own float64 greedy decode; where every choice was decided, the served text is it
+    tokens: list[int] = []
+    with torch.inference_mode():
+        for _ in range(8):
+            logits = reference(input_ids=torch.tensor([prompt + tokens])).logits[0, -1]
+            nxt = int(logits.argmax())
+            if nxt in eos:
+                break
+            tokens.append(nxt)
+    decided = assert_greedy(reference, prompt, tokens, 8, eos)
+    if decided == len(tokens) + (len(tokens) < 8):
+        assert answer.choices[0].message.content == tok.decode(tokens), (answer, tokens)
+    assert answer.choices[0].message.content
+    sdk.http.close()

@@ -1,4 +1,5 @@
-"""``tunefleet files ...`` and ``tunefleet jobs ...``: a thin HTTP client of the REST API.
+"""``tunefleet files ...``, ``tunefleet jobs ...`` and ``tunefleet adapters import``: a thin
+HTTP client of the REST API.
 
 The API URL and key come from ``--api-url``/``--api-key`` or the environment
 (``TUNEFLEET_API_URL``, ``TUNEFLEET_API_KEY``, falling back to ``OPENAI_API_KEY``).
@@ -6,7 +7,9 @@ The API URL and key come from ``--api-url``/``--api-key`` or the environment
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,6 +20,7 @@ from tqdm import tqdm
 
 files_app = typer.Typer(help="Training files.", no_args_is_help=True)
 jobs_app = typer.Typer(help="Fine-tuning jobs.", no_args_is_help=True)
+adapters_app = typer.Typer(help="Adapters trained elsewhere.", no_args_is_help=True)
 
 ApiUrl = Annotated[str, typer.Option(envvar="TUNEFLEET_API_URL", help="API base URL.")]
 ApiKey = Annotated[
@@ -94,6 +98,38 @@ def files_upload(
                 files={"file": (path.name, fh, "application/jsonl")},
             )
         )
+
+
+@adapters_app.command("import")
+def adapters_import(
+    base_model: str,
+    name: str,
+    source: Annotated[
+        str, typer.Argument(help="A peft adapter's folder, a .tar/.zip of it, or s3://...")
+    ],
+    api_url: ApiUrl = DEFAULT_URL,
+    api_key: ApiKey = "",
+) -> None:
+    """Import a peft LoRA adapter as one of your fine-tuned models (checked against its
+    base first): a folder is packed and uploaded, an archive uploaded as it is, an
+    ``s3://`` folder (under the store's imports/YOUR-TENANT/) read where it is."""
+    body: dict[str, Any] = {"base_model": base_model, "name": name}
+    with connect(api_url, api_key) as client:
+        if source.startswith("s3://"):
+            body["source"] = source
+        else:
+            path = Path(source)
+            if path.is_dir():
+                packed = io.BytesIO()
+                with tarfile.open(fileobj=packed, mode="w") as tar:
+                    tar.add(path, arcname=path.name)
+                upload: Any = (f"{path.name}.tar", packed.getvalue())
+            else:
+                upload = (path.name, path.read_bytes())
+            f = call(client, "POST", "/v1/files", data={"purpose": "adapter"},
+                     files={"file": upload})  # fmt: skip
+            body["file_id"] = f["id"]
+        show(call(client, "POST", "/v1/models", json=body))
 
 
 @files_app.command("list")

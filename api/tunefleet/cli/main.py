@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tunefleet.cli._client import files_app, jobs_app
+from tunefleet.cli._client import adapters_app, files_app, jobs_app
 from tunefleet.platform import audit
 from tunefleet.platform.base_models import add_base_model, base_model_view, remove_base_model
 from tunefleet.platform.db import session_scope
@@ -31,6 +31,7 @@ app.add_typer(models_app, name="models")
 app.add_typer(admin_app, name="admin")
 app.add_typer(files_app, name="files")
 app.add_typer(jobs_app, name="jobs")
+app.add_typer(adapters_app, name="adapters")
 
 
 @app.command()

@@ -70,6 +70,11 @@ class Keys:
         return f"files/{file_id}.jsonl"
 
     @staticmethod
+    def archive_key(file_id: str) -> str:
+        """An uploaded archive (purpose ``adapter``: a peft adapter's folder)."""
+        return f"files/{file_id}.archive"
+
+    @staticmethod
     def results_key(file_id: str) -> str:
         """A job's results file (``platform/results.py``), beside the uploads."""
         return f"files/{file_id}.csv"

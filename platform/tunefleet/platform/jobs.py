@@ -58,7 +58,7 @@ from tunefleet.platform.tenants import Principal
 
 # The default tracking spaces (Settings' defaults): each tenant's names under its own.
 TENANT_SPACES = TrackingSpaces()
-_SUFFIX_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+SUFFIX = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a fine-tuned model name's part
 
 
 class HyperparametersIn(BaseModel):
@@ -202,7 +202,7 @@ class JobCreateRequest(BaseModel):
     @field_validator("suffix")
     @classmethod
     def _suffix(cls, v: str | None) -> str | None:
-        if v is not None and not _SUFFIX_RE.match(v):
+        if v is not None and not SUFFIX.fullmatch(v):
             raise ValueError(f"suffix {v!r} must be 1-64 letters, digits, '-' or '_'")
         return v
 
@@ -575,8 +575,10 @@ _SHAPE_OPTIONS = {"lora": ("lora",), "qlora": ("lora", "qlora"), "ia3": ("ia3",)
 
 def _start_from(session: Session, principal: Principal, spec: JobSpec) -> JobSpec:
     """``spec`` starting from the weights of the tenant's succeeded job that
-    ``tunefleet.init_from_job`` names (its id or fine_tuned_model), with that job's id;
-    refused, naming the fix, when that job trained another model, method or shape."""
+    ``tunefleet.init_from_job`` names (its id or fine_tuned_model: a trained or an
+    imported adapter), with that job's id and, where the request gave none, that job's
+    shape options (``tunefleet.lora``...); refused, naming the fix, when that job trained
+    another model, method or shape."""
     opts, param = spec.tunefleet, "tunefleet.init_from_job"
     named = opts.init_from_job
     source = session.scalars(
@@ -610,7 +612,11 @@ def _start_from(session: Session, principal: Principal, spec: JobSpec) -> JobSpe
             f"{opts.method!r}: set it to {trained['method']!r} to continue its weights",
             param="tunefleet.method",
         )
+    inherited: dict[str, Any] = {}
     for key in _SHAPE_OPTIONS.get(opts.method, ()):
+        if key not in opts.model_fields_set and key in trained:  # not asked: the source's
+            inherited[key] = type(getattr(opts, key)).model_validate(trained[key])
+            continue
         mine = getattr(opts, key).model_dump(mode="json")
         if mine != trained.get(key, mine):
             raise InvalidRequest(
@@ -619,7 +625,7 @@ def _start_from(session: Session, principal: Principal, spec: JobSpec) -> JobSpe
                 param=f"tunefleet.{key}",
             )
     return spec.model_copy(
-        update={"tunefleet": opts.model_copy(update={"init_from_job": source.id})}
+        update={"tunefleet": opts.model_copy(update={"init_from_job": source.id, **inherited})}
     )
 
 

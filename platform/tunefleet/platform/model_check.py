@@ -62,38 +62,40 @@ def _bad(message: str, param: str = "source") -> InvalidRequest:
     return InvalidRequest(message, param=param, code="invalid_model")
 
 
-def _json(path: Path) -> Any:
+def read_json(path: Path, *, param: str = "source") -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise _bad(f"{path.name} is not readable JSON ({exc}); copy it again") from exc
+        raise _bad(f"{path.name} is not readable JSON ({exc}); copy it again", param) from exc
 
 
-def _header(path: Path) -> dict[str, Any]:
-    """The tensors of one safetensors file, refused if the file is shorter than it says."""
+def tensor_header(path: Path, *, param: str = "source") -> dict[str, Any]:
+    """The tensors of one safetensors file (name -> dtype, shape, data_offsets), refused
+    (a 400 on ``param``) if the file is shorter than it says."""
     size = path.stat().st_size
     with path.open("rb") as f:
         head = f.read(8)
         length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if not 0 < length <= min(MAX_HEADER, size - 8):
-            raise _bad(f"{path.name} is not a safetensors file (its header length is wrong)")
+            raise _bad(f"{path.name} is not a safetensors file (its header length is wrong)", param)
         try:
             tensors = json.loads(f.read(length))
         except ValueError as exc:
-            raise _bad(f"{path.name} has an unreadable safetensors header ({exc})") from exc
+            raise _bad(f"{path.name} has an unreadable safetensors header ({exc})", param) from exc
     if not isinstance(tensors, dict):
-        raise _bad(f"{path.name} has an unreadable safetensors header (not an object)")
+        raise _bad(f"{path.name} has an unreadable safetensors header (not an object)", param)
     tensors.pop("__metadata__", None)
     end = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
     if size < 8 + length + end:
         raise _bad(
             f"{path.name} is truncated: its header names {8 + length + end} bytes, the file "
-            f"has {size}; copy it again"
+            f"has {size}; copy it again",
+            param,
         )
     return tensors
 
 
-def _weights(folder: Path) -> dict[str, dict[str, Any]]:
+def model_tensors(folder: Path) -> dict[str, dict[str, Any]]:
     """Every tensor's header entry, with the file it is in under ``"file"``."""
     from tunefleet.platform.models import SHARD_INDEX, SINGLE_WEIGHTS, missing_weights
 
@@ -101,12 +103,13 @@ def _weights(folder: Path) -> dict[str, dict[str, Any]]:
         raise _bad(f"{why}; give the folder transformers' save_pretrained writes")
     if (folder / SINGLE_WEIGHTS).is_file():
         return {
-            n: {**t, "file": SINGLE_WEIGHTS} for n, t in _header(folder / SINGLE_WEIGHTS).items()
+            n: {**t, "file": SINGLE_WEIGHTS}
+            for n, t in tensor_header(folder / SINGLE_WEIGHTS).items()
         }
-    weight_map: dict[str, str] = _json(folder / SHARD_INDEX)["weight_map"]
+    weight_map: dict[str, str] = read_json(folder / SHARD_INDEX)["weight_map"]
     found: dict[str, dict[str, Any]] = {}
     for shard in sorted(set(weight_map.values())):
-        found.update({n: {**t, "file": shard} for n, t in _header(folder / shard).items()})
+        found.update({n: {**t, "file": shard} for n, t in tensor_header(folder / shard).items()})
     for name, shard in weight_map.items():
         if found.get(name, {}).get("file") != shard:
             raise _bad(f"{SHARD_INDEX} places {name} in {shard}, which does not hold it")
@@ -117,7 +120,7 @@ def _chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> str | None
     if (folder / TEMPLATE_FILE).is_file():
         return (folder / TEMPLATE_FILE).read_text()
     if (folder / "chat_template.json").is_file():
-        found = _json(folder / "chat_template.json").get("chat_template")
+        found = read_json(folder / "chat_template.json").get("chat_template")
         return found if isinstance(found, str) else None
     found = tokenizer_config.get("chat_template")
     if isinstance(found, list):  # named templates: the default one
@@ -145,7 +148,7 @@ def check_model_folder(folder: Path, *, chat_template: str | None = None) -> Mod
     module's docstring); ``chat_template`` stands in for a folder without one."""
     if not folder.is_dir():
         raise _bad(f"{str(folder)!r} is not a folder; give a model's folder")
-    config = _json(folder / "config.json") if (folder / "config.json").is_file() else None
+    config = read_json(folder / "config.json") if (folder / "config.json").is_file() else None
     if not isinstance(config, dict):
         raise _bad(f"{folder.name} has no config.json object; give a transformers model folder")
     archs = config.get("architectures") or ["(none)"]
@@ -171,7 +174,7 @@ def check_model_folder(folder: Path, *, chat_template: str | None = None) -> Mod
             "safetensors only (remove them, or convert with save_pretrained(..., "
             "safe_serialization=True))"
         )
-    tensors = _weights(folder)
+    tensors = model_tensors(folder)
     _agree(config, tensors)
     tokenizer = folder / "tokenizer_config.json"
     if not tokenizer.is_file() or not any(
@@ -182,8 +185,8 @@ def check_model_folder(folder: Path, *, chat_template: str | None = None) -> Mod
             "and tokenizer_config.json, as tokenizer.save_pretrained(folder) writes them"
         )
     if (folder / "tokenizer.json").is_file():
-        _json(folder / "tokenizer.json")
-    template = chat_template or _chat_template(folder, _json(tokenizer))
+        read_json(folder / "tokenizer.json")
+    template = chat_template or _chat_template(folder, read_json(tokenizer))
     if template is None:
         raise _bad(
             f"{folder.name} has no chat template (none in tokenizer_config.json, no "

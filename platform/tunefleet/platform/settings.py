@@ -86,6 +86,12 @@ class Settings(BaseSettings):
         "None: the API adds from object storage only (`tunefleet models add` on the "
         "machine takes any folder).",
     )
+    adapter_max_rank: int = Field(
+        default=256,
+        ge=1,
+        le=1024,
+        description="The highest LoRA rank an imported adapter may have (`POST /v1/models`).",
+    )
     ray_address: str = Field(
         default="",
         description="Ray cluster to use (`auto` or host:port). Empty starts a local one.",

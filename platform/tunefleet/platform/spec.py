@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SPEC_VERSION: Literal[1] = 1
 
@@ -293,10 +293,13 @@ class TuneFleetOptions(_Frozen):
     init_from_job: str | None = Field(
         default=None,
         min_length=1,
-        max_length=64,
+        max_length=512,
+        validation_alias=AliasChoices("init_from_job", "init_from_adapter"),
         description="Start from the trained weights of this succeeded job of the tenant "
         "(same model and method), e.g. preference tuning (DPO) a supervised job's adapter; "
-        "its job id or fine_tuned_model name.",
+        "its job id or fine_tuned_model name, or an imported adapter's model name "
+        "(``init_from_adapter`` is the same field). Shape options not given are the "
+        "source's.",
     )
     priority: int = Field(default=0, ge=-100, le=100, description="Higher runs first.")
 

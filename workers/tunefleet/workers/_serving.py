@@ -50,6 +50,7 @@ class Serving:
     # A pass waits this long for a Serve deploy; past SERVE_SLOW_S its jobs say so.
     SERVE_WAIT_S = 2.0
     SERVE_SLOW_S = 600.0
+    NEW_BASES_S = 10.0
 
     def __init__(
         self,
@@ -65,6 +66,7 @@ class Serving:
         self.registry = registry
         self.db_url = db_url
         self._served: set[str] = set()
+        self._next_bases = 0.0  # when serve_new_bases looks again
         # base model -> (monotonic time of the next try, why the last one failed)
         self._serve_failed: dict[str, tuple[float, str]] = {}
         # base model -> its deploy on the serving thread
@@ -204,6 +206,26 @@ class Serving:
                 try:
                     self.ensure_served(base)
                 except RuntimeError as exc:  # its jobs' adapters wait; other bases go on
+                    log.warning("%s", exc)
+
+    def serve_new_bases(self) -> None:
+        """Start serving, without waiting, the base model of any adapter on record that no
+        run prepared (an imported adapter's, ``platform/adapter_import.py``): looked at
+        every ``NEW_BASES_S``; a deploy goes on on the serving thread and is taken up by a
+        later look."""
+        if time.monotonic() < self._next_bases:
+            return
+        self._next_bases = time.monotonic() + self.NEW_BASES_S
+        with session_scope(self.db_url) as s:
+            bases = set(s.scalars(select(Adapter.base_model).distinct())) - self._served
+        for base in sorted(bases & set(self.registry.names())):
+            deploy = self._deploying.get(base)
+            if deploy is None:
+                self.prepare(base)
+            elif deploy.done():
+                try:
+                    self.ensure_served(base)
+                except RuntimeError as exc:  # said in the log; retried after SERVE_RETRY_S
                     log.warning("%s", exc)
 
     def push(self) -> None:

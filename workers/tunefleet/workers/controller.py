@@ -14,7 +14,8 @@ Each pass (``Controller.tick``) is a list of steps, each concern in a module of 
 5. capacity requests (``_capacity.py``): ask Ray's autoscaler for the nodes the jobs that
    wait for them need;
 6. stop the Ray jobs of cancelled or paused ones (here);
-7. serving (``_serving.py``): push which adapters are served how to the model servers;
+7. serving (``_serving.py``): start serving the base of any adapter no run prepared (an
+   imported one's); push which adapters are served how to the model servers;
 8. webhooks (``_webhook_sender.py``): send the webhook outbox.
 
 What the steps share (the fenced session, ``moved_on``, failpoints) is in ``_steps.py``.
@@ -193,6 +194,7 @@ class Controller:
         waiting, running = self.dispatching.dispatch()
         self.capacity.ask(waiting, running)
         self._stop_unwanted_runs()
+        self.serving.serve_new_bases()
         self.serving.push()
         self.webhooks.send()
 

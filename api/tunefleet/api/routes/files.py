@@ -3,6 +3,8 @@ delete. A file that fails validation is not kept."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import anyio.to_thread
@@ -12,15 +14,17 @@ from sqlalchemy import delete, exists, or_, select
 
 from tunefleet.api._deps import PrincipalDep, SessionDep, SettingsDep, StoreDep
 from tunefleet.api._openapi import Deleted, FileList, FileObject, errors, ok
+from tunefleet.platform.adapter_import import CONFIG, WEIGHTS, unpack_archive
 from tunefleet.platform.datasets import raise_for_report, validate_file
 from tunefleet.platform.db import File, Job, now_s
 from tunefleet.platform.db.paging import ordered_after
 from tunefleet.platform.errors import Conflict, InvalidRequest, NotFound
 from tunefleet.platform.ids import new_id
+from tunefleet.platform.model_check import read_json, tensor_header
 from tunefleet.platform.status import TERMINAL
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
-PURPOSES = {"fine-tune"}
+PURPOSES = {"fine-tune", "adapter"}
 MAX_FILENAME = 512  # files.filename's column
 
 
@@ -45,6 +49,24 @@ def _get(session: SessionDep, principal: PrincipalDep, file_id: str) -> File:
     return f
 
 
+def _adapter_stats(archive: Path, max_bytes: int) -> dict[str, Any]:
+    """An adapter archive's checks that need no base model (it is checked against its base
+    on import, ``POST /v1/models``): it unpacks safely to a peft adapter folder."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = unpack_archive(archive, Path(tmp), max_bytes=max_bytes)
+        config = read_json(folder / CONFIG, param="file")
+        if not (folder / WEIGHTS).is_file() or not isinstance(config, dict):
+            raise InvalidRequest(
+                f"the archive holds no {WEIGHTS} beside {CONFIG}; pack the folder peft's "
+                "save_pretrained(safe_serialization=True) writes",
+                param="file",
+                code="invalid_adapter",
+            )
+        tensor_header(folder / WEIGHTS, param="file")
+        return {"r": config.get("r"), "target_modules": config.get("target_modules"),
+                "base_model_name_or_path": config.get("base_model_name_or_path")}  # fmt: skip
+
+
 @router.post("", responses=ok(FileObject))
 async def upload_file(
     file: UploadFile,
@@ -56,9 +78,18 @@ async def upload_file(
 ) -> dict[str, Any]:
     if purpose not in PURPOSES:
         raise InvalidRequest(
-            f"purpose {purpose!r} is not supported; use 'fine-tune'", param="purpose"
+            f"purpose {purpose!r} is not supported; use 'fine-tune' (JSONL training data) "
+            "or 'adapter' (a peft adapter's folder as .tar or .zip)",
+            param="purpose",
         )
-    filename = file.filename or "upload.jsonl"
+    filename = file.filename or ("upload.jsonl" if purpose == "fine-tune" else "adapter.tar")
+    archive = purpose == "adapter"
+    if archive and not filename.lower().endswith((".tar", ".zip", ".tar.gz", ".tgz")):
+        raise InvalidRequest(
+            f"file {filename[:80]!r}: an adapter is uploaded as a .tar, .tar.gz or .zip of "
+            "the folder peft's save_pretrained writes",
+            param="file",
+        )
     if len(filename) > MAX_FILENAME or "\x00" in filename:
         shown = repr(filename[:40]) + ("..." if len(filename) > 40 else "")
         raise InvalidRequest(
@@ -67,7 +98,7 @@ async def upload_file(
             param="file",
         )
     file_id = new_id("file")
-    key = store.file_key(file_id)
+    key = store.archive_key(file_id) if archive else store.file_key(file_id)
 
     async def chunks() -> Any:
         while chunk := await file.read(1 << 20):
@@ -76,8 +107,16 @@ async def upload_file(
     size = await store.write_stream(key, chunks(), settings.max_upload_bytes)
     try:
         # Reading a file of up to max_upload_bytes is real work: off the event loop.
-        report = await anyio.to_thread.run_sync(validate_file, store.local_copy(key))
-        raise_for_report(report, filename)
+        fmt: str | None
+        if archive:
+            fmt = "peft_lora"
+            stats = await anyio.to_thread.run_sync(
+                _adapter_stats, store.local_copy(key), settings.max_upload_bytes
+            )
+        else:
+            report = await anyio.to_thread.run_sync(validate_file, store.local_copy(key))
+            raise_for_report(report, filename)
+            fmt, stats = report.format, {"examples": report.examples}
         row = File(
             id=file_id,
             tenant_id=principal.tenant_id,
@@ -85,8 +124,8 @@ async def upload_file(
             purpose=purpose,
             bytes=size,
             status="processed",
-            format=report.format,
-            stats={"examples": report.examples},
+            format=fmt,
+            stats=stats,
             path=key,
             created_at=now_s(),
         )
@@ -152,7 +191,9 @@ def file_content(
     file_id: str, session: SessionDep, principal: PrincipalDep, store: StoreDep
 ) -> StreamingResponse:
     f = _get(session, principal, file_id)
-    media = "text/csv" if f.format == "csv" else "application/jsonl"
+    media = {"csv": "text/csv", "peft_lora": "application/octet-stream"}.get(
+        f.format or "", "application/jsonl"
+    )
     return StreamingResponse(store.read_chunks(f.path), media_type=media)
 
 

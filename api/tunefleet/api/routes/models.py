@@ -1,5 +1,6 @@
 """``/v1/models``: the base models in the registry, the caller's fine-tuned models and the
-ones other tenants shared with it; sharing an adapter with another tenant; deleting one."""
+ones other tenants shared with it; importing an adapter trained elsewhere (TuneFleet's
+``POST``); sharing an adapter with another tenant; deleting one."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import delete
 
-from tunefleet.api._deps import PrincipalDep, RegistryDep, SessionDep, StoreDep
+from tunefleet.api._deps import PrincipalDep, RegistryDep, SessionDep, SettingsDep, StoreDep
 from tunefleet.api._openapi import Deleted, ModelList, ModelObject, Shares, errors, ok
+from tunefleet.platform.adapter_import import import_adapter
 from tunefleet.platform.db import Adapter, Tenant
 from tunefleet.platform.errors import Forbidden, NotFound
 from tunefleet.platform.models import ModelRegistry
@@ -51,8 +53,53 @@ def _adapter(a: Adapter, owner: str) -> dict[str, Any]:
     }
 
 
+class AdapterImport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    base_model: str = Field(max_length=256, description="The registry model it adapts.")
+    name: str = Field(max_length=64, description="Its part of the model's name.")
+    file_id: str | None = Field(
+        default=None, max_length=64, description="An upload of purpose adapter (.tar/.zip)."
+    )
+    source: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Or its folder in object storage, under the store's imports/{tenant}/.",
+    )
+
+
 def _shares_view(session: SessionDep, adapter: Adapter) -> dict[str, Any]:
     return {"object": "list", "model": adapter.name, "data": shares(session, adapter)}
+
+
+@router.post("", responses={**ok(ModelObject), **errors(404, 409)})
+def import_model(
+    body: AdapterImport,
+    session: SessionDep,
+    principal: PrincipalDep,
+    registry: RegistryDep,
+    store: StoreDep,
+    settings: SettingsDep,
+) -> dict[str, Any]:
+    """Import a peft LoRA adapter trained elsewhere as one of the caller's fine-tuned
+    models (``ft:BASE:TENANT:NAME:adapter-...``), checked against its base first: targets
+    among the base's linear layers, every factor's shape, the rank within
+    ``TUNEFLEET_ADAPTER_MAX_RANK``, safetensors only. It is served, shared, deleted and
+    trained further (``tunefleet.init_from_job``) like a model TuneFleet trained; the job
+    that records the import is ``tunefleet.job_id``."""
+    job, adapter = import_adapter(
+        session,
+        principal,
+        registry,
+        store,
+        base_model=body.base_model,
+        name=body.name,
+        file_id=body.file_id,
+        source=body.source,
+        max_rank=settings.adapter_max_rank,
+        max_bytes=settings.max_upload_bytes,
+    )
+    imported = job.request["tunefleet"]["imported_from"]
+    return {**_adapter(adapter, principal.tenant_name), "tunefleet": {"job_id": job.id, **imported}}
 
 
 @router.get("", responses=ok(ModelList))
