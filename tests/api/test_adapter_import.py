@@ -313,3 +313,37 @@ def test_an_archive_unpacks_to_the_adapters_folder_alone(adapter: Path, tmp_path
         folder = unpack_archive(archive, tmp_path / f"{name}-out", max_bytes=10**7)
         for f in adapter.iterdir():
             assert (folder / f.name).read_bytes() == f.read_bytes(), (name, f.name)
+
+
+def test_an_adapter_in_the_tenants_import_folder_of_object_storage_is_imported(
+    s3_endpoint: str, settings: Settings, key_a: str, adapter: Path, tmp_path: Path
+) -> None:
+    """``source: s3://...`` under the store's ``imports/{tenant}/``, read through the node's
+    cache; anywhere else in the store (other tenants' artifacts live there) is refused
+    before anything is read."""
+    from s3 import new_bucket
+    from tunefleet.platform.adapter_import import import_adapter
+    from tunefleet.platform.artifacts import open_store
+    from tunefleet.platform.db import session_scope
+    from tunefleet.platform.models import ModelRegistry
+    from tunefleet.platform.tenants import authenticate
+
+    url = new_bucket(s3_endpoint)
+    store = open_store(url, endpoint_url=s3_endpoint, cache_dir=tmp_path / "cache")
+    store.put_dir("imports/tenant-a/mine", adapter)
+    store.put_dir("adapters/ftjob-someoneelse", adapter)
+    registry = ModelRegistry(settings.resolved_model_registry)
+    limits = {"max_rank": 64, "max_bytes": 10**7}
+    with session_scope(settings.resolved_database_url) as s:
+        principal = authenticate(s, f"Bearer {key_a}")
+        job, made = import_adapter(s, principal, registry, store, base_model=TINY, name="s3",
+                                   source=f"{url}/imports/tenant-a/mine", **limits)  # fmt: skip
+        for source in (f"{url}/adapters/ftjob-someoneelse", f"{url}/imports/tenant-b/mine",
+                       f"{url}/imports/tenant-a/../../adapters/ftjob-someoneelse"):  # fmt: skip
+            with pytest.raises(InvalidRequest, match="imports/tenant-a/"):
+                import_adapter(s, principal, registry, store, base_model=TINY, name="no",
+                               source=source, **limits)  # fmt: skip
+    assert made.name.startswith(f"ft:{TINY}:tenant-a:s3:adapter-")
+    copied = store.local_copy(store.adapter_key(job.id))
+    for f in adapter.iterdir():
+        assert (copied / f.name).read_bytes() == f.read_bytes(), f.name
