@@ -267,6 +267,7 @@ def test_unsafe_or_wrong_archives_are_refused_by_name_and_nothing_is_kept(
         "text.tar": (b"not an archive at all", "neither a tar nor a zip"),
         "mine.jsonl": (_tar(adapter), "uploaded as a .tar, .tar.gz or .zip"),
         "bomb.tar.gz": (_bomb(adapter), "unpacks to"),
+        "twice.tar": (tar_of(member("a/x"), member("a/x")), "holds 'a/x' twice"),
     }
     for name, (data, needle) in cases.items():
         up = _upload(app_client, key_a, name, data)

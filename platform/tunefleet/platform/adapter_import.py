@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session
 
 from tunefleet.platform.artifacts import Store
 from tunefleet.platform.db import Adapter, File, Job, JobEvent, Tenant, now_s
-from tunefleet.platform.errors import Conflict, InvalidRequest, NotFound
+from tunefleet.platform.errors import InvalidRequest, NotFound
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.model_check import PICKLE_SUFFIXES, model_tensors, read_json, tensor_header
 from tunefleet.platform.models import ModelRegistry
@@ -146,8 +146,15 @@ def unpack_archive(archive: Path, into: Path, *, max_bytes: int, param: str = "f
                 else (opened.extractfile(handle))
             )
             assert source is not None
-            with source, target.open("xb") as out:
-                shutil.copyfileobj(source, out)
+            try:
+                with source, target.open("xb") as out:
+                    shutil.copyfileobj(source, out)
+            except (FileExistsError, IsADirectoryError):
+                raise _bad(
+                    f"the archive holds {name[:200]!r} twice (or as a file and a folder); "
+                    "pack each file once",
+                    param,
+                ) from None
     found = sorted(p.parent for p in into.rglob(CONFIG))
     if not found or len(found[0].relative_to(into).parts) > 1 or len(found) > 1:
         raise _bad(
@@ -416,7 +423,11 @@ def import_adapter(
             for kept in KEPT:
                 if (folder / kept).is_file():
                     shutil.copyfile(folder / kept, Path(tmp) / kept)
-            store.put_dir(store.adapter_key(job_id), Path(tmp))
+            try:
+                store.put_dir(store.adapter_key(job_id), Path(tmp))
+            except BaseException:  # a copy cut short is never left behind
+                store.delete(store.adapter_key(job_id))
+                raise
     tenant = session.get(Tenant, principal.tenant_id)
     assert tenant is not None
     model = f"ft:{base_model}:{tenant.name}:{name}:adapter-{job_id.removeprefix('ftjob-')}"
@@ -469,13 +480,13 @@ def import_adapter(
         f"parameters) from {origin}; fine-tuned model {model}",
         data={"imported_from": imported},
     )
-    session.add(job)
-    session.flush()
-    session.add_all([adapter, event])
     try:
+        session.add(job)
+        session.flush()  # the job before the adapter row naming it
+        session.add_all([adapter, event])
         session.commit()
-    except Exception:
+    except BaseException:  # nothing names the copied weights: they go too
         session.rollback()
         store.delete(store.adapter_key(job_id))
-        raise Conflict(f"the adapter could not be recorded; import it again ({name})") from None
+        raise
     return job, adapter
