@@ -2,7 +2,8 @@
 the official SDK: every string_check operation, every text_similarity metric against a
 hand computation or the library's definition, multi graders' formulas, the templates'
 namespaces, and each way a grader or a grade fails named (a 400 for a grader that cannot
-run, a reward of 0 with OpenAI's error flag for a grade that fails on its inputs)."""
+run, a reward of 0 with OpenAI's error flag for a grade that fails on its inputs); python
+graders off by default, and where turned on each of the sandbox's limits holding."""
 
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ def test_a_grade_that_fails_on_its_inputs_is_0_with_openais_flag(
     ("grader", "needle"),
     [
         ({"type": "python", "name": "p", "source": "def grade(s, i): return 1"},
-         "grader type 'python'"),
+         "TUNEFLEET_PYTHON_GRADERS=true"),
         ({"type": "score_model", "name": "s", "model": "x", "input": []}, "score_model"),
         ({**_similarity("cosine")}, "TuneFleet serves no embedding model"),
         ({"type": "string_check", "name": "c", "operation": "regex", "input": "a",
@@ -157,3 +158,86 @@ def test_a_grader_that_cannot_run_is_a_400_naming_it(
         with pytest.raises(openai.BadRequestError) as refused:
             call()
         assert needle in str(refused.value), refused.value
+
+
+@pytest.fixture
+def python_on(settings: Any, key_a: str) -> Any:
+    from tunefleet.api import create_app
+
+    on = settings.model_copy(update={"python_graders": True, "python_grader_cpu_s": 2})
+    with TestClient(create_app(on)) as client:
+        yield client
+
+
+def _python(client: TestClient, key: str, source: str, sample: str = "4") -> dict[str, Any]:
+    body = {"grader": {"type": "python", "name": "py", "source": source},
+            "model_sample": sample, "item": {"answer": 4}}  # fmt: skip
+    out = client.post("/v1/fine_tuning/alpha/graders/run", headers=H(key), json=body)
+    assert out.status_code == 200, out.text
+    return dict(out.json())
+
+
+@pytest.mark.skipif(
+    __import__("tunefleet.platform.sandbox", fromlist=["x"]).available() is not None,
+    reason="no Landlock in this kernel: python graders are refused here (their own test)",
+)
+def test_a_python_grader_runs_in_its_sandbox_and_each_limit_holds(
+    python_on: TestClient, key_a: str, settings: Any, tmp_path: Any
+) -> None:
+    import socket
+
+    ok = _python(python_on, key_a, "def grade(sample, item):\n"
+                 "    return float(sample['output_json'] == item['answer'])")  # fmt: skip
+    assert ok["reward"] == 1 and not ok["metadata"]["errors"]["python_grader_runtime_error"]
+    threads = _python(python_on, key_a, "import threading\ndef grade(s, i):\n"
+                      "    t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
+                      "    return 0.5")  # fmt: skip
+    assert threads["reward"] == 0.5  # threads may start: only new processes are refused
+
+    # a socket listening here: the sandbox's connect never reaches it (a connection that
+    # did would wait in its backlog, accepted or not)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s3cr3t")
+    outside = tmp_path / "escaped.txt"
+    cases = {  # what the code does -> (OpenAI's error flag, what its details say)
+        "fork bomb": ("import os\ndef grade(s, i):\n    while True: os.fork()",
+                      "runtime", "Operation not permitted"),
+        "a program": ("import subprocess\ndef grade(s, i):\n    subprocess.run(['id'])",
+                      "runtime", "Operation not permitted"),
+        "infinite loop": ("def grade(s, i):\n    while True: pass", "server", "CPU time"),
+        "sleeping": ("import time\ndef grade(s, i):\n    time.sleep(60)", "server",
+                     "wall-clock"),
+        "10 GB": ("def grade(s, i):\n    x = bytearray(10 * 10**9)\n    return 1",
+                  "runtime", "MemoryError"),
+        # nothing of the API's environment; Python itself sets LC_CTYPE (PEP 538)
+        "environment": ("import os\ndef grade(s, i):\n    return float(set(os.environ) <= "
+                        "{'LC_CTYPE'})", None, ""),
+        "socket": (f"import socket\ndef grade(s, i):\n    socket.create_connection("
+                   f"('127.0.0.1', {port}), timeout=2)", "runtime", "Error"),
+        "write outside": (f"def grade(s, i):\n    open({str(outside)!r}, 'w').write('x')",
+                          "runtime", "Permission denied"),
+        "read a file": (f"def grade(s, i):\n    return len(open({str(secret)!r}).read())",
+                        "runtime", "Permission denied"),
+        "write its own": ("def grade(s, i):\n    open('mine', 'w').write('abc')\n"
+                          "    return len(open('mine').read())", None, ""),
+    }  # fmt: skip
+    for name, (source, flag, needle) in cases.items():
+        got = _python(python_on, key_a, source)
+        errors = got["metadata"]["errors"]
+        if flag is None:  # it ran: no credentials in its environment, its own folder
+            assert got["reward"] == (1 if name == "environment" else 3), (name, got)
+            assert not errors["python_grader_runtime_error"], (name, got)
+            continue
+        assert got["reward"] == 0 and errors[f"python_grader_{flag}_error"], (name, got)
+        assert needle in got["metadata"]["error_details"], (name, got)
+        if flag == "server":
+            assert errors["python_grader_server_error_type"] == "timeout", (name, got)
+    server.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        server.accept()
+    server.close()
+    assert not outside.exists()
+    # and the API goes on answering
+    assert _python(python_on, key_a, "def grade(s, i):\n    return 1")["reward"] == 1

@@ -12,6 +12,10 @@ reinforcement fine-tuning score with.
   ``rouge_1`` to ``rouge_5`` and ``rouge_l`` Google's rouge-score F-measure. nltk's
   metrics read words split by ``wordpunct_tokenize``. ``cosine`` needs an embedding model,
   which TuneFleet does not serve yet: refused by name.
+- ``python``: ``grade(sample, item)`` of the tenant's source, where the operator turned
+  them on (``TUNEFLEET_PYTHON_GRADERS``), in ``sandbox.py``'s child process: its errors
+  are OpenAI's ``python_grader_runtime_error`` (the code raised) and
+  ``python_grader_server_error`` (a limit ended it: ``timeout``...).
 - ``multi``: named graders combined by ``calculate_output``, a formula of their names,
   numbers, ``+ - * / ^`` and ``min max abs floor ceil exp sqrt log`` (read as a Python
   expression tree, only those nodes allowed).
@@ -33,6 +37,8 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tunefleet.platform.sandbox import GradeError, Limits, SandboxError, run_python
 
 MAX_TEXT = 256 * 1024  # characters of a template or of what it becomes
 MAX_FORMULA = 1000
@@ -99,7 +105,15 @@ class TextSimilarityGrader(_Grader):
         return v
 
 
-SimpleGrader = Annotated[StringCheckGrader | TextSimilarityGrader, Field(discriminator="type")]
+class PythonGrader(_Grader):
+    type: Literal["python"]
+    source: str = Field(min_length=1, max_length=MAX_TEXT, description="Defines grade().")
+    image_tag: str | None = Field(default=None, max_length=128, description="Ignored here.")
+
+
+SimpleGrader = Annotated[
+    StringCheckGrader | TextSimilarityGrader | PythonGrader, Field(discriminator="type")
+]
 
 
 class MultiGrader(_Grader):
@@ -120,10 +134,10 @@ class MultiGrader(_Grader):
 
 
 Grader = Annotated[
-    StringCheckGrader | TextSimilarityGrader | MultiGrader, Field(discriminator="type")
+    StringCheckGrader | TextSimilarityGrader | PythonGrader | MultiGrader,
+    Field(discriminator="type"),
 ]
 _REFUSED_TYPES = {
-    "python": "python graders run tenants' code, which this deployment does not allow",
     "score_model": "model graders (score_model) are not available here yet",
     "label_model": "model graders (label_model) are not available here yet",
 }
@@ -136,11 +150,13 @@ def refused_type(grader: Any) -> str | None:
 
 
 class GraderFailed(Exception):
-    """A grade that fails on its inputs: a reward of 0 with ``flag`` set."""
+    """A grade that fails on its inputs: a reward of 0 with ``flag`` set (and, for the
+    sandbox's failures, their ``kind``)."""
 
     def __init__(self, flag: str, details: str):
         super().__init__(details)
         self.flag = flag
+        self.kind: str | None = None
 
 
 def formula_names(formula: str, names: set[str]) -> ast.Expression:
@@ -303,7 +319,42 @@ def similarity(metric: str, text: str, reference: str) -> float:
     return float(rouge_scorer.RougeScorer([kind]).score(reference, text)[kind].fmeasure)
 
 
-def _grade(grader: StringCheckGrader | TextSimilarityGrader, item: Any, sample: str) -> float:
+def uses_python(grader: Any) -> bool:
+    """Whether ``grader`` is or holds a python grader."""
+    if isinstance(grader, MultiGrader):
+        return any(isinstance(g, PythonGrader) for g in grader.graders.values())
+    return isinstance(grader, PythonGrader)
+
+
+def _python(grader: PythonGrader, item: Any, sample: str, limits: Limits | None) -> float:
+    """``grade(sample, item)`` of the grader's source, in the sandbox: ``sample`` holds
+    ``output_text`` and ``output_json`` (None unless the text is JSON), as OpenAI's."""
+    if limits is None:
+        raise GraderFailed("python_grader_server_error", "python graders are off here")
+    try:
+        parsed = json.loads(sample)
+    except ValueError:
+        parsed = None
+    try:
+        return run_python(
+            grader.source, {"output_text": sample, "output_json": parsed}, item, limits
+        )
+    except GradeError as exc:
+        raise GraderFailed("python_grader_runtime_error", str(exc)) from None
+    except SandboxError as exc:
+        failed = GraderFailed("python_grader_server_error", str(exc))
+        failed.kind = exc.kind
+        raise failed from None
+
+
+def _grade(
+    grader: StringCheckGrader | TextSimilarityGrader | PythonGrader,
+    item: Any,
+    sample: str,
+    limits: Limits | None,
+) -> float:
+    if isinstance(grader, PythonGrader):
+        return _python(grader, item, sample, limits)
     text, reference = render(grader.input, item, sample), render(grader.reference, item, sample)
     if isinstance(grader, StringCheckGrader):
         passed = {
@@ -317,11 +368,16 @@ def _grade(grader: StringCheckGrader | TextSimilarityGrader, item: Any, sample: 
 
 
 def run_grader(
-    grader: StringCheckGrader | TextSimilarityGrader | MultiGrader, item: Any, sample: str
+    grader: StringCheckGrader | TextSimilarityGrader | PythonGrader | MultiGrader,
+    item: Any,
+    sample: str,
+    *,
+    python: Limits | None = None,
 ) -> dict[str, Any]:
     """OpenAI's ``graders/run`` answer for ``grader`` on ``sample`` and ``item``: the
     reward, a multi grader's ``sub_rewards``, and ``metadata`` with the error flags (a
-    failed grade is a reward of 0, never an exception)."""
+    failed grade is a reward of 0, never an exception). ``python``: the sandbox's limits
+    for python graders (None: they are off, and one fails as a server error)."""
     start = time.perf_counter()
     errors: dict[str, Any] = {flag: False for flag in ERROR_FLAGS}
     errors |= {
@@ -335,7 +391,7 @@ def run_grader(
     try:
         if isinstance(grader, MultiGrader):
             for name, inner in grader.graders.items():
-                sub[name] = _grade(inner, item, sample)
+                sub[name] = _grade(inner, item, sample, python)
             try:
                 reward = _evaluate(formula_names(grader.calculate_output, set(sub)), sub)
             except (ArithmeticError, ValueError, TypeError, OverflowError) as exc:
@@ -343,9 +399,13 @@ def run_grader(
             if not math.isfinite(reward):
                 raise GraderFailed("formula_parse_error", f"calculate_output gave {reward}")
         else:
-            reward = _grade(grader, item, sample)
+            reward = _grade(grader, item, sample, python)
     except GraderFailed as exc:
         errors[exc.flag], reward, details = True, 0.0, str(exc)
+        if exc.flag == "python_grader_runtime_error":
+            errors["python_grader_runtime_error_details"] = details
+        if exc.flag == "python_grader_server_error":
+            errors["python_grader_server_error_type"] = exc.kind
     metadata = {
         "name": grader.name,
         "type": grader.type,

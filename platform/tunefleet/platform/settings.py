@@ -86,6 +86,17 @@ class Settings(BaseSettings):
         "None: the API adds from object storage only (`tunefleet models add` on the "
         "machine takes any folder).",
     )
+    python_graders: bool = Field(
+        default=False,
+        description="Run tenants' python graders (in platform/sandbox.py's child process: "
+        "limits, no network, Landlock; refused where the kernel has no Landlock).",
+    )
+    python_grader_cpu_s: int = Field(
+        default=5, ge=1, le=600, description="CPU seconds of one python grade (wall: 2x + 1)."
+    )
+    python_grader_memory_mb: int = Field(
+        default=1024, ge=64, le=65536, description="Address space of one python grade (MiB)."
+    )
     adapter_max_rank: int = Field(
         default=256,
         ge=1,

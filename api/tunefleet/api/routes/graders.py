@@ -9,9 +9,12 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tunefleet.api._deps import PrincipalDep
+from tunefleet.api._deps import PrincipalDep, SettingsDep
 from tunefleet.api._openapi import ok
-from tunefleet.platform.graders import MAX_TEXT, Grader, refused_type, run_grader
+from tunefleet.platform import sandbox
+from tunefleet.platform.errors import InvalidRequest
+from tunefleet.platform.graders import MAX_TEXT, Grader, refused_type, run_grader, uses_python
+from tunefleet.platform.settings import Settings
 
 router = APIRouter(prefix="/v1/fine_tuning/alpha/graders", tags=["graders"])
 
@@ -43,13 +46,35 @@ class GraderRun(_WithGrader):
     item: Any = Field(default=None, description="The dataset item of the `item` namespace.")
 
 
+def python_limits(grader: Any, settings: Settings) -> sandbox.Limits | None:
+    """The sandbox's limits for ``grader``'s python graders; a 400 where they cannot run
+    here (None: it holds none)."""
+    if not uses_python(grader):
+        return None
+    if not settings.python_graders:
+        raise InvalidRequest(
+            "python graders run your code, and this deployment does not allow them (the "
+            "operator sets TUNEFLEET_PYTHON_GRADERS=true to); use string_check, "
+            "text_similarity or multi",
+            param="grader",
+        )
+    if why := sandbox.available():
+        raise InvalidRequest(f"python graders cannot run here: {why}", param="grader")
+    cpu = settings.python_grader_cpu_s
+    return sandbox.Limits(
+        cpu_s=cpu, wall_s=2 * cpu + 1, memory_bytes=settings.python_grader_memory_mb << 20
+    )
+
+
 @router.post("/validate", responses=ok({"description": "The grader, as it will run."}))
-def validate_grader(body: GraderValidate, _: PrincipalDep) -> dict[str, Any]:
+def validate_grader(body: GraderValidate, _: PrincipalDep, settings: SettingsDep) -> dict[str, Any]:
     """The grader as TuneFleet reads it; a 400 naming what is wrong otherwise."""
+    python_limits(body.grader, settings)
     return {"grader": body.grader.model_dump(mode="json", exclude_none=True)}
 
 
 @router.post("/run", responses=ok({"description": "The reward and how it was reached."}))
-def run(body: GraderRun, _: PrincipalDep) -> dict[str, Any]:
+def run(body: GraderRun, _: PrincipalDep, settings: SettingsDep) -> dict[str, Any]:
     """The grader's reward for ``model_sample`` (and ``item``), in OpenAI's shape."""
-    return run_grader(body.grader, body.item, body.model_sample)
+    limits = python_limits(body.grader, settings)
+    return run_grader(body.grader, body.item, body.model_sample, python=limits)
