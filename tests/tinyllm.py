@@ -73,11 +73,13 @@ def build_tiny_model(
     seed: int = 0,
     layers: int = 2,
     hidden: int = HIDDEN,
+    shard_size: str | None = None,
     **config: object,
 ) -> Path:
     """Write a random causal LM of transformers' ``model_type`` (``llama``, ``qwen2``,
     ``gemma3_text``, ...) in safetensors, with the tokenizer, into ``folder``: 4 query and
-    2 key/value heads of ``hidden / 4``, an MLP twice as wide; ``config`` overrides."""
+    2 key/value heads of ``hidden / 4``, an MLP twice as wide; ``config`` overrides;
+    ``shard_size`` (e.g. "100KB"): saved in shards of that size, as large models are."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -104,7 +106,10 @@ def build_tiny_model(
     }
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings))
-    model.save_pretrained(folder, safe_serialization=True)
+    if shard_size is None:
+        model.save_pretrained(folder, safe_serialization=True)
+    else:
+        model.save_pretrained(folder, safe_serialization=True, max_shard_size=shard_size)
     return folder
 
 

@@ -263,7 +263,8 @@ def _arch_model(env: dict[str, Any], model_type: str) -> str:
     name = f"tiny-{model_type.replace('_', '-')}"
     folder = env["data"] / "models" / name
     if not folder.exists():
-        build_tiny_model(folder, model_type, **ARCHITECTURES[model_type])
+        # in shards, as every model past a few GB is saved: trained and served from them
+        build_tiny_model(folder, model_type, shard_size="100KB", **ARCHITECTURES[model_type])
     return name
 
 
@@ -467,12 +468,12 @@ def _check_merged(
 def test_each_architecture_trains_lora_and_qlora_and_both_are_served_as_peft_computes(
     ray_env: dict[str, Any], runs: dict[str, Any], model_type: str
 ) -> None:
-    """Every supported architecture besides Llama (whose methods the cases above cover):
-    a LoRA job on every linear layer and a QLoRA job train (the loss falls), the planner
-    counted the model's parameters as peft does, and each adapter is served unmerged by
-    the multi-LoRA engine (QLoRA's on the NF4 base it trained on) and merged into a copy
-    of the base (serving's own merge), both decoding as peft computes in float64; the
-    merged model the job saved is checked as for Llama."""
+    """Every supported architecture besides Llama (whose methods the cases above cover),
+    saved in shards: a LoRA job on every linear layer and a QLoRA job train (the loss
+    falls), the planner counted the model's parameters as peft does, and each adapter is
+    served unmerged by the multi-LoRA engine (QLoRA's on the NF4 base it trained on) and
+    merged into a copy of the base (serving's own merge), both decoding as peft computes
+    in float64; the merged model the job saved is checked as for Llama."""
     from peft import PeftModel
 
     from float64 import assert_greedy, double, forward_for
@@ -487,6 +488,7 @@ def test_each_architecture_trains_lora_and_qlora_and_both_are_served_as_peft_com
     settings = get_settings()
     store = ArtifactStore(settings.resolved_artifact_root)
     path = settings.resolved_model_registry / _arch_model(ray_env, model_type)
+    assert len(list(path.glob("model-*-of-*.safetensors"))) > 1  # sharded
     parameters = check_model_folder(path).parameters  # the planner's count (its own test)
     from transformers import AutoTokenizer
 
