@@ -24,8 +24,16 @@ with and without its warm-up of the base model's most requested adapters. Writes
 ``bench/results/serve_multilora.json`` and a plot ``serve_multilora.png``; the targets of
 issues 7, 18 and 44 are checked and printed, not asserted.
 
+``--mixed-ranks-only`` (issue 40): 64 adapters of ranks drawn from {8, 16, 64, 128}
+(16 of each, shuffled) in one stream of ``--requests`` requests, under an adapter memory
+budget (2 GiB) that 64 adapters of rank 128 would overflow, against the same stream with
+every adapter at rank 16, and against the mixed adapters padded to rank 128 in one stack
+(what a single-stack kernel does; no budget, as it would not fit). Writes
+``bench/results/serve_multilora_mixed_ranks.json``.
+
     .venv/bin/python bench/serve_multilora.py            # ~10 min on 2 CPU cores
     .venv/bin/python bench/serve_multilora.py --quick    # a smoke run
+    .venv/bin/python bench/serve_multilora.py --mixed-ranks-only   # ~10 min
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -53,6 +62,7 @@ from tinyllm import save_random_lora  # noqa: E402
 from tunefleet.platform.models import BUILTIN_MODEL, ModelRegistry  # noqa: E402
 from tunefleet.platform.settings import get_settings  # noqa: E402
 from tunefleet.workers.model_registry import prepare_builtin  # noqa: E402
+from tunefleet.workers.serve import _multilora  # noqa: E402
 from tunefleet.workers.serve._adapter_cache import AdapterCache  # noqa: E402
 from tunefleet.workers.serve._adapters import load_serving_base, serving_precision  # noqa: E402
 from tunefleet.workers.serve._engine import BatchEngine, generate_all  # noqa: E402
@@ -421,6 +431,11 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=16, help="requests timed for (a)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
+        "--mixed-ranks-only",
+        action="store_true",
+        help="only the mixed-rank stream: serve_multilora_mixed_ranks.json",
+    )
+    parser.add_argument(
         "--cold-load-only",
         action="store_true",
         help="only the cold loads (local store and S3): serve_multilora_cold_load.json",
@@ -440,6 +455,9 @@ def main() -> None:
     prompts = make_prompts(tokenizer, args.requests)
     auto, why = serving_precision("auto")
     sides = ["fp32", *(["bf16"] if auto == "bf16" else [])]
+    if args.mixed_ranks_only:
+        mixed_ranks(model_path, tokenizer, prompts, args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         base = load_serving_base(model_path)
@@ -600,6 +618,136 @@ def plot(result: dict[str, Any], path: Path, counts: list[int]) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+MIXED_RANKS = (8, 16, 64, 128)
+MIXED_BUDGET = 2 << 30
+
+
+def run_stream(
+    model_path: Path,
+    folder: Path,
+    names: list[str],
+    prompts: list[list[int]],
+    new: int,
+    tokenizer: Any,
+    budget: int | None,
+) -> dict[str, Any]:
+    """The stream (request i on adapter ``names[i % len(names)]``) in one continuous
+    batch under ``budget``: tokens/s and the adapter memory the replica held."""
+    lora = MultiLoraModel(serving_base(model_path), max_adapters=len(names), budget_bytes=budget)
+    evicted: list[str] = []
+    cache = AdapterCache(lora, locate=lambda a: folder / a, on_evict=evicted.append)
+    engine = BatchEngine(lora, set(), max_batch_size=len(prompts))
+    slots = [cache.acquire(names[i % len(names)]) for i in range(len(prompts))]  # held
+    sampling = Sampling(max_tokens=new, temperature=0)
+    generate_all(engine, tokenizer, [(prompts[0], Sampling(2, 0), slots[0])])  # warm-up
+    started = time.perf_counter()
+    done = generate_all(
+        engine, tokenizer, [(p, sampling, s) for p, s in zip(prompts, slots, strict=True)]
+    )
+    elapsed = time.perf_counter() - started
+    assert all(d.completion_tokens == new for d in done)
+    memory = cache.memory()
+    assert budget is None or memory["allocated_bytes"] <= budget, memory  # type: ignore[operator]
+    return {
+        "tokens_per_s": len(prompts) * new / elapsed,
+        "buckets": dict(sorted(lora.depth.items())),
+        "used_bytes": memory["used_bytes"],
+        "allocated_bytes": memory["allocated_bytes"],
+        "evicted": len(evicted),
+    }
+
+
+def mixed_ranks(
+    model_path: Path, tokenizer: Any, prompts: list[list[int]], args: argparse.Namespace
+) -> None:
+    """Issue 40's acceptance: mixed ranks in one stream against all at rank 16."""
+    n = 64
+    ranks = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(n)]
+    random.Random(0).shuffle(ranks)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        base = load_serving_base(model_path)
+        for i, r in enumerate(ranks):
+            save_random_lora(base, folder / f"mx{i}", r=r, alpha=2 * r, targets=TARGETS, seed=i,
+                             std=0.02)  # fmt: skip
+            save_random_lora(base, folder / f"u{i}", r=16, alpha=32, targets=TARGETS, seed=i,
+                             std=0.02)  # fmt: skip
+        # what 64 adapters of rank 128 would take: each its rank times the targets' sizes
+        width = sum(
+            m.in_features + m.out_features
+            for name, m in base.named_modules()
+            if name.rpartition(".")[2] in TARGETS
+        )
+        del base
+        per_unit = width * _multilora.FACTOR_BYTES
+        mixed = [f"mx{i}" for i in range(n)]
+        uniform = [f"u{i}" for i in range(n)]
+        runs: dict[str, list[dict[str, Any]]] = {"uniform_16": [], "mixed": [], "padded_128": []}
+        bucket_of = _multilora.bucket_of
+        for rep in range(args.repeats):
+            for case in runs:
+                gc.collect()
+                if case == "padded_128":  # every adapter in the rank-128 stack
+                    _multilora.bucket_of = lambda r: 128  # type: ignore[assignment]
+                try:
+                    names, budget = {
+                        "uniform_16": (uniform, MIXED_BUDGET),
+                        "mixed": (mixed, MIXED_BUDGET),
+                        "padded_128": (mixed, None),
+                    }[case]
+                    run = run_stream(
+                        model_path, folder, names, prompts, args.new_tokens, tokenizer, budget
+                    )
+                finally:
+                    _multilora.bucket_of = bucket_of
+                runs[case].append(run)
+                print(f"[{rep}] {case}: {run['tokens_per_s']:.1f} tok/s, "
+                      f"{run['allocated_bytes'] / 2**20:.0f} MiB held", flush=True)  # fmt: skip
+    best = {case: max(rs, key=lambda r: r["tokens_per_s"]) for case, rs in runs.items()}
+    rate = {case: r["tokens_per_s"] for case, r in best.items()}
+    uniform_128 = n * 128 * per_unit
+    figures = {
+        "mixed_vs_uniform_16": round(rate["mixed"] / rate["uniform_16"], 4),
+        "mixed_vs_padded_128": round(rate["mixed"] / rate["padded_128"], 4),
+        "padding_cost": round(1 - rate["padded_128"] / rate["mixed"], 4),
+        "uniform_128_bytes": uniform_128,
+        "uniform_128_vs_budget": round(uniform_128 / MIXED_BUDGET, 3),
+        "mixed_allocated_vs_padded": round(
+            best["mixed"]["allocated_bytes"] / best["padded_128"]["allocated_bytes"], 4
+        ),
+    }
+    result = {
+        "model": BUILTIN_MODEL,
+        "machine": machine.describe(),
+        "requests": len(prompts),
+        "new_tokens": args.new_tokens,
+        "adapters": n,
+        "ranks": {str(r): ranks.count(r) for r in MIXED_RANKS},
+        "target_modules": list(TARGETS),
+        "budget_bytes": MIXED_BUDGET,
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "tokens_per_s": {case: round(r, 2) for case, r in rate.items()},
+        "runs": {case: [round(r["tokens_per_s"], 2) for r in rs] for case, rs in runs.items()},
+        "memory": {
+            case: {k: best[case][k] for k in ("buckets", "used_bytes", "allocated_bytes")}
+            for case in best
+        },
+        "evicted": {case: best[case]["evicted"] for case in best},
+        "figures": figures,
+        "targets_met": {
+            "mixed ranks within 15% of all rank 16": figures["mixed_vs_uniform_16"] >= 0.85,
+            "uniform rank 128 would overflow the budget": uniform_128 > MIXED_BUDGET,
+            "mixed ranks held within the budget, none evicted": best["mixed"]["allocated_bytes"]
+            <= MIXED_BUDGET
+            and best["mixed"]["evicted"] == 0,
+        },
+    }
+    out = ROOT / "bench" / "results" / "serve_multilora_mixed_ranks.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import pytest
 from conftest import auth, create_tenants
 from raycluster import free_port, stop_process
 from s3 import new_bucket
-from tinyllm import multiplier_for
+from tinyllm import multiplier_for, save_random_lora
 from tunefleet.platform.artifacts import open_store
 from tunefleet.platform.serving_contract import ADAPTER_HEADER, SECRET_FILE, SECRET_HEADER
 
@@ -66,6 +66,8 @@ def stack(
         "TUNEFLEET_API_PORT": str(free_port()),
         "TUNEFLEET_SERVE_PORT": str(free_port()),
         "TUNEFLEET_CONTROLLER_INTERVAL_S": "0.3",
+        # 64 of the tests' rank-8 all-linear adapters (64 KiB each); less than one of rank 1024
+        "TUNEFLEET_SERVE_ADAPTER_MEMORY": "4Mi",
     }
     cli = [sys.executable, "-m", "tunefleet.cli.main"]
     log_path = data / "up.log"
@@ -95,6 +97,7 @@ def stack(
             "keys": keys,
             "env": env,
             "data": data,
+            "registry": tiny_registry,
             # the test's own view of the bucket (a cache of its own)
             "store": open_store(bucket, endpoint_url=s3_endpoint, cache_dir=data / "reader"),
             "log": log_path,
@@ -557,6 +560,32 @@ def test_a_bad_request_to_serving_fails_alone(
     assert refused.status_code == 400, refused.text  # was a 422 the SDKs do not raise as such
     assert refused.json()["error"]["code"] == "adapter_unservable"
     assert "serving_mode 'merged'" in refused.json()["error"]["message"]
+    # an adapter larger than a replica's whole adapter memory: a 400 naming what it needs,
+    # never an out-of-memory replica (rank 1024 on every linear layer: 8 MiB of 4)
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(stack["registry"] / TINY)
+    linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    huge = save_random_lora(base, stack["data"] / "ftjob-huge", r=1024, targets=linear)
+    stack["store"].put_dir(stack["store"].adapter_key("ftjob-huge"), huge)
+    refused = httpx.post(
+        f"{stack['serve']}/models/{TINY}/v1/adapters/ftjob-huge/load",
+        headers=serve_auth(stack),
+        timeout=60,
+    )
+    assert refused.status_code == 400, refused.text
+    err = refused.json()["error"]
+    assert err["code"] == "adapter_too_large", err
+    assert (
+        "rank 1024 over 14 modules needs 8.0 MiB of adapter memory, more than the 4.0 MiB"
+        in (err["message"])
+    )
+    state = httpx.get(
+        f"{stack['serve']}/models/{TINY}/v1/adapters", headers=serve_auth(stack), timeout=30
+    ).json()
+    assert "ftjob-huge" not in {e["id"] for e in state["data"]}
+    assert state["memory"]["budget_bytes"] == 4 << 20
+    assert state["memory"]["allocated_bytes"] <= 4 << 20
     unloaded = httpx.delete(
         f"{stack['serve']}/models/{TINY}/v1/adapters/{job['id']}",
         headers=serve_auth(stack),

@@ -135,6 +135,8 @@ def test_values_schema_refuses_unknown_keys_and_wrong_types() -> None:
         ("api.forwardedAllowIps=the-ingress", "forwardedAllowIps"),  # addresses, not names
         ("api.inferenceLimits.requestsPerSecond=5000", "requestsPerSecond"),  # MAX_RATE
         ("api.inferenceLimits.concurrentRequests=-1", "concurrentRequests"),
+        ("serve.adapterMemory=4GB", "adapterMemory"),  # a Kubernetes quantity: 4G or 4Gi
+        ("serve.maxAdaptersPerReplica=0", "maxAdaptersPerReplica"),
     ):
         out = helm(
             "template", "t", str(CHART), "-f", str(variant("minimal")),
@@ -794,6 +796,25 @@ def test_pods_that_cache_artifacts_request_the_cache_and_tell_the_app_its_size()
     assert caching(local)
     for name, c, _ in caching(local):
         assert "ephemeral-storage" not in c["resources"].get("requests", {}), name
+
+
+def test_replicas_are_told_their_adapter_memory() -> None:
+    """`serve.adapterMemory` and `serve.maxAdaptersPerReplica` reach the controller, which
+    deploys the replicas, as settings the application reads (a quantity, in bytes)."""
+    env = _controller_env(render(variant("minimal")))
+    read = Settings(
+        serve_adapter_memory=env["TUNEFLEET_SERVE_ADAPTER_MEMORY"],
+        serve_max_adapters_per_replica=env["TUNEFLEET_SERVE_MAX_ADAPTERS_PER_REPLICA"],
+    )
+    assert (read.serve_adapter_memory, read.serve_max_adapters_per_replica) == (4 << 30, 64)
+    env = _controller_env(
+        render(variant("minimal"), "serve.adapterMemory=512Mi", "serve.maxAdaptersPerReplica=16")
+    )
+    read = Settings(
+        serve_adapter_memory=env["TUNEFLEET_SERVE_ADAPTER_MEMORY"],
+        serve_max_adapters_per_replica=env["TUNEFLEET_SERVE_MAX_ADAPTERS_PER_REPLICA"],
+    )
+    assert (read.serve_adapter_memory, read.serve_max_adapters_per_replica) == (512 << 20, 16)
 
 
 def test_only_the_api_may_write_the_models_claim_and_only_when_told() -> None:

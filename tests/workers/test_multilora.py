@@ -19,10 +19,15 @@ from typing import Any
 import pytest
 import torch
 
-from float64 import assert_greedy, double, gamma, logit_error
+from float64 import FORWARD, assert_greedy, double, gamma, logit_error
 from tinyllm import save_random_lora
 from tunefleet.workers._precision import cpu_bf16
-from tunefleet.workers.serve._adapter_cache import AdapterCache, AdapterInUse, CacheFullError
+from tunefleet.workers.serve._adapter_cache import (
+    AdapterCache,
+    AdapterInUse,
+    AdapterTooLarge,
+    CacheFullError,
+)
 from tunefleet.workers.serve._adapters import AdapterError
 from tunefleet.workers.serve._engine import BatchEngine, generate_all
 from tunefleet.workers.serve._generate import Sampling, eos_ids
@@ -37,6 +42,7 @@ ADAPTERS = {  # id -> shape: ranks, targets and scaling differ
     "a2": {"r": 8, "targets": ("q_proj", "k_proj", "v_proj", "o_proj")},
     "a3": {"r": 2, "targets": ("gate_proj", "up_proj", "down_proj"), "use_rslora": True},
     "a4": {"r": 16, "targets": ("v_proj", "down_proj")},
+    "a5": {"r": 12, "targets": ("q_proj", "o_proj", "up_proj")},  # padded into a4's bucket
 }
 
 
@@ -183,9 +189,9 @@ def test_cache_evicts_lru_keeps_pinned_and_in_flight(setup: dict[str, Any]) -> N
     assert unloaded == ["a2", "a4", "a3", "a1"]
     entries = [(e["id"], e["slot"], e["rank"], e["pinned"], e["in_flight"]) for e in cache.loaded()]
     assert entries == [("a4", s4, 16, False, 0)]
-    # What a load guarantees: a4's slot holds exactly its file's factors (B times
-    # alpha / r, zero-padded to the widest rank); its slot in layers it does not target,
-    # the slot a1 left and slot 0 (the bare base) are all zeros.
+    # What a load guarantees: a4's place holds exactly its file's factors (B times
+    # alpha / r, zero-padded to its rank bucket's width), zeros in the layers it does not
+    # target; a1's place is gone (the bare base, slot 0, has none).
     from safetensors.torch import load_file
 
     folder = setup["folder"] / "a4"
@@ -196,17 +202,101 @@ def test_cache_evicts_lru_keeps_pinned_and_in_flight(setup: dict[str, Any]) -> N
     prefix, suffix = "base_model.model.", ".lora_A.weight"
     in_file = {k.removeprefix(prefix).removesuffix(suffix) for k in weights if k.endswith(suffix)}
     assert in_file and in_file <= set(cache.lora.layers)
-    for name, layer in cache.lora.layers.items():
+    assert set(cache.lora.where) == {s4} and s1 != s4
+    for name in cache.lora.layers:
+        got_a, got_b = cache.lora.factors(s4, name)
         if name in in_file:
             a = weights[f"{prefix}{name}.lora_A.weight"].float()
             b = weights[f"{prefix}{name}.lora_B.weight"].float()
             r = a.shape[0]
-            assert torch.equal(layer.A[s4, :, :r], a.T) and not layer.A[s4, :, r:].any()
-            assert torch.equal(layer.B[s4, :r], (b * scale).T) and not layer.B[s4, r:].any()
+            assert got_a.shape[1] == got_b.shape[0] == 16  # rank 16: its own bucket
+            assert torch.equal(got_a[:, :r], a.T) and not got_a[:, r:].any()
+            assert torch.equal(got_b[:r], (b * scale).T) and not got_b[r:].any()
         else:
-            assert not layer.A[s4].any() and not layer.B[s4].any(), name
-        for empty in (s1, 0):
-            assert not layer.A[empty].any() and not layer.B[empty].any(), (name, empty)
+            assert not got_a.any() and not got_b.any(), name
+
+
+def test_adapter_memory_is_a_byte_budget_ranks_8_and_256_side_by_side(
+    setup: dict[str, Any], tmp_path: Path
+) -> None:
+    """A replica's adapters are held within a byte budget, by their rank buckets: rank 8
+    and rank 256 load side by side and decode in one batch as each does through peft; a
+    load evicts the least recently used unpinned adapters until it fits, and none if that
+    cannot make room; an adapter larger than the whole budget is refused by name."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(setup["path"], dtype=torch.float32).eval()
+    targets = ("q_proj", "v_proj")
+    ranks = {"s1": 8, "s2": 8, "s3": 8, "big": 256, "mid": 12, "huge": 300}
+    for seed, (name, r) in enumerate(ranks.items()):
+        save_random_lora(base, tmp_path / name, r=r, alpha=2 * r, targets=targets, seed=seed)
+    # bytes per unit of rank: float32 factors of every q and v projection, in + out
+    unit = 4 * sum(
+        m.in_features + m.out_features
+        for n, m in base.named_modules()
+        if n.rpartition(".")[2] in targets
+    )
+    budget = (256 + 8 + 8) * unit
+    lora = MultiLoraModel(base, max_adapters=8, budget_bytes=budget)
+    cache = AdapterCache(lora, locate=lambda a: tmp_path / a)
+    evicted: list[str] = []
+    unloaded: list[str] = []
+    cache.on_evict, cache.on_unload = evicted.append, unloaded.append
+
+    def acquire(name: str, **kw: Any) -> int:
+        slot = cache.acquire(name, hold=False, **kw)
+        assert lora.allocated_bytes() <= budget, (name, lora.depth)
+        return slot
+
+    def held() -> dict[str, int]:
+        return {e["id"]: e["bytes"] // unit for e in cache.loaded()}
+
+    slots = {"s1": acquire("s1", pin=True), "s2": acquire("s2"), "s3": acquire("s3")}
+    assert held() == {"s1": 8, "s2": 8, "s3": 8} and lora.depth == {8: 4}  # doubling
+    slots["big"] = acquire("big")  # 24 + 256 > 272: the LRU unpinned s2 goes, s3 stays
+    assert evicted == ["s2"] and held() == {"s1": 8, "s3": 8, "big": 256}
+    assert lora.depth == {8: 2, 256: 1}  # the spare rank-8 places were given back
+    assert cache.memory() == {
+        "budget_bytes": budget,
+        "used_bytes": budget,
+        "allocated_bytes": budget,
+    }
+
+    # ranks 8 and 256 (and the bare base) in one batch, prefill and decode, each row the
+    # tokens peft gives for its adapter alone; rank 256's B adds 240 to the reductions
+    # of the four-projection LoRA allowance of FORWARD in each of the 2 layers
+    engine = BatchEngine(lora, setup["eos"], max_batch_size=16)
+    names = [None, "s1", "s3", "big"]
+    pairs = [(a, p) for a in names for p in setup["prompts"]]
+    items = [(p, GREEDY, slots[a] if a else 0) for a, p in pairs]
+    outputs: dict[str | None, list[list[int]]] = {}
+    for (a, p), got in zip(pairs, generate_all(engine, setup["tok"], items), strict=True):
+        plain = AutoModelForCausalLM.from_pretrained(setup["path"], dtype=torch.float32)
+        peft = double((PeftModel.from_pretrained(plain, tmp_path / a) if a else plain).eval())
+        forward = FORWARD + 2 * 4 * (256 - 16)
+        assert_greedy(peft, p, got.token_ids, GREEDY.max_tokens, setup["eos"], msg=(a, p),
+                      forward=forward)  # fmt: skip
+        outputs.setdefault(a, []).append(got.token_ids)
+    assert len({json.dumps(v) for v in outputs.values()}) == len(names)
+
+    # an adapter larger than the whole budget (rank 300 takes the 512 bucket): refused by
+    # name, nothing evicted, its node-cache hold let go
+    need = f"{512 * unit / 2**20:.1f} MiB"
+    with pytest.raises(AdapterTooLarge, match=rf"rank 300 over 4 modules needs {need}"):
+        cache.acquire("huge")
+    assert held() == {"s1": 8, "s3": 8, "big": 256} and unloaded == ["s2", "huge"]
+
+    # pinned and in-flight adapters stay: when evicting the others cannot make room,
+    # none is evicted
+    acquire("big", pin=True)
+    with pytest.raises(CacheFullError, match=r"adapter memory .* held by pinned adapters"):
+        cache.acquire("mid")  # rank 12, bucket 16: 16 + 8 + 256 > 272 even without s3
+    assert held() == {"s1": 8, "s3": 8, "big": 256} and evicted == ["s2"]
+    acquire("big", pin=False)
+    slots["mid"] = acquire("mid")  # LRU first: s3, then big, until it fits
+    assert evicted == ["s2", "s3", "big"] and held() == {"s1": 8, "mid": 16}
+    assert lora.depth == {8: 1, 16: 1}  # trimmed: rank 256's place is gone
 
 
 def test_unusable_adapters_are_refused_by_name(
@@ -414,6 +504,44 @@ def test_long_rows_cross_cache_blocks_while_others_join_and_leave(
     for i, (a, prompt, s) in enumerate(named):  # no end of text: every row runs its length
         _check(setup, references, a, prompt, got[i], s, ("joined", a), eos=set())
         _check(setup, references, a, prompt, alone[i], s, ("alone", a), eos=set())
+
+
+@pytest.mark.parametrize("tokens", [5, 1])  # a prefill, a decoding step
+def test_each_row_gets_its_own_adapters_delta_on_every_kernel_path(tokens: int) -> None:
+    """A batch over two rank buckets and the bare base: the rank-8 stack (4 places, 3 rows)
+    is large beside its rows (a prefill gathers each row's factors), the rank-32 one (1
+    place, 2 rows) small (a prefill multiplies the whole stack once); decoding reads the
+    factors in place (embedding_bag). Each row is ``base(x) + (x @ A[place]) @ B[place]``
+    of its own place, within float32 rounding of that sum in float64: each output is a
+    dot product over ``in`` terms, then over R, so off by at most gamma(in + R + 1) times
+    the magnitudes summed (``|x| @ |A| @ |B|`` and the base's ``|x| @ |W|``)."""
+    from tunefleet.workers.serve._multilora import BatchedLoraLinear, _Rows
+
+    torch.manual_seed(0)
+    rows = _Rows()
+    layer = BatchedLoraLinear(torch.nn.Linear(64, 48, bias=False), rows)
+    for rank, places in ((8, 4), (32, 1)):
+        layer.resize(rank, places)
+        for place in range(places):
+            layer.write(rank, place, torch.randn(rank - 1, 64), torch.randn(48, rank - 1))
+    batch = [(8, 0), (8, 0), (32, 0), None, (8, 3), (32, 0)]
+    rows.set(batch)
+    x = torch.randn(len(batch), tokens, 64)
+    with torch.inference_mode():
+        got = layer(x)
+    weight = layer.base.weight.detach()
+    for row, place in enumerate(batch):
+        xs = x[row].double()
+        want, magnitude = xs @ weight.double().T, xs.abs() @ weight.double().abs().T
+        if place is not None:
+            a, b = (t.double() for t in layer.stacks[place[0]])
+            a, b = a[place[1]], b[place[1]]
+            want = want + (xs @ a) @ b
+            magnitude = magnitude + (xs.abs() @ a.abs()) @ b.abs()
+        bound = gamma(64 + 32 + 1) * magnitude
+        assert ((got[row].double() - want).abs() <= bound).all(), (row, place)
+    assert rows.groups[0].rank == 8 and 4 * rows.groups[0].most > 2 * 3  # gathered
+    assert rows.groups[1].rank == 32 and 1 * rows.groups[1].most <= 2 * 2  # the whole stack
 
 
 def test_batch_cache_writes_in_place_joins_and_selects() -> None:

@@ -162,6 +162,15 @@ class Settings(BaseSettings):
     serve_max_adapters_per_replica: int = Field(
         default=64, ge=1, le=1024, description="Adapters one serving replica holds (LRU)."
     )
+    serve_adapter_memory: int = Field(
+        default=4 << 30,
+        gt=0,
+        description="The memory one serving replica's adapters may take, in bytes or as a "
+        "Kubernetes quantity (4Gi, 512Mi): the chart's serve.adapterMemory. An adapter "
+        "takes its rank (rounded up to a power of two) times the sizes of the layers it "
+        "targets, in float32; the least recently used unpinned ones are evicted to keep "
+        "within it, and one larger than all of it is refused (serve it merged).",
+    )
     serve_max_batch_size: int = Field(
         default=32, ge=1, le=1024, description="Requests decoded together per replica."
     )
@@ -339,9 +348,9 @@ class Settings(BaseSettings):
             self.mlflow_experiment_template, self.wandb_entity_template, self.wandb_project_template
         )
 
-    @field_validator("artifact_cache_size", mode="before")
+    @field_validator("artifact_cache_size", "serve_adapter_memory", mode="before")
     @classmethod
-    def _artifact_cache_size(cls, v: object) -> object:
+    def _quantity(cls, v: object) -> object:
         return parse_quantity(v) if isinstance(v, str) else v
 
     @field_validator("outbound_allow")

@@ -265,6 +265,7 @@ class RayBackend:
         st = self.settings
         options = ServingOptions(
             max_adapters_per_replica=st.serve_max_adapters_per_replica,
+            adapter_memory_bytes=st.serve_adapter_memory,
             max_batch_size=st.serve_max_batch_size,
             batch_wait_ms=st.serve_batch_wait_ms,
             base_quantization=st.serve_base_quantization,

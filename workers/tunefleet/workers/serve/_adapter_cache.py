@@ -1,6 +1,8 @@
 """Which adapters hold a slot of a replica's batched model: loaded on demand from their
-folder, the least recently used unpinned adapter with no request in flight evicted when
-the slots are full, pinned adapters kept."""
+folder; when the slots are full, or the adapter memory budget would be passed, the least
+recently used unpinned adapters with no request in flight are evicted until the new one
+fits, by its bytes (its rank bucket times its targets' sizes); pinned adapters are kept.
+An adapter larger than the whole budget is refused (:class:`AdapterTooLarge`)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,18 @@ from typing import Any
 
 import torch
 
-from tunefleet.workers.serve._adapters import factors, read_adapter
+from tunefleet.workers.serve._adapters import AdapterError, factors, read_adapter
 from tunefleet.workers.serve._multilora import MultiLoraModel
 
 
 class CacheFullError(RuntimeError):
     """Every slot holds a pinned adapter or one with requests in flight."""
+
+
+class AdapterTooLarge(AdapterError):
+    """The adapter alone needs more adapter memory than a replica has."""
+
+    code = "adapter_too_large"
 
 
 class AdapterInUse(RuntimeError):
@@ -67,6 +75,7 @@ class AdapterCache:
                     "id": e.loaded.adapter_id,
                     "slot": e.loaded.slot,
                     "rank": e.loaded.rank,
+                    "bytes": self.lora.slot_bytes(e.loaded.slot),
                     "pinned": e.pinned,
                     "in_flight": e.in_flight,
                     "load_ms": round(e.loaded.load_s * 1000, 2),
@@ -74,11 +83,16 @@ class AdapterCache:
                 for e in self._entries.values()
             ]
 
-    def _free_slot(self) -> int:
-        used = {e.loaded.slot for e in self._entries.values()}
-        for slot in range(1, self.capacity + 1):
-            if slot not in used:
-                return slot
+    def memory(self) -> dict[str, int | None]:
+        """The adapter memory budget, what the loaded adapters use and what is allocated."""
+        with self._lock:
+            return {
+                "budget_bytes": self.lora.budget_bytes,
+                "used_bytes": self.lora.used_bytes(),
+                "allocated_bytes": self.lora.allocated_bytes(),
+            }
+
+    def _evict_oldest(self) -> bool:
         for adapter_id, entry in self._entries.items():  # oldest first
             if not entry.pinned and entry.in_flight == 0:
                 del self._entries[adapter_id]
@@ -87,11 +101,43 @@ class AdapterCache:
                     self.on_evict(adapter_id)
                 if self.on_unload:
                     self.on_unload(adapter_id)
-                return entry.loaded.slot
-        raise CacheFullError(
-            f"all {self.capacity} adapter slots hold pinned adapters or adapters with "
-            "requests in flight; unpin one or raise max_adapters_per_replica"
-        )
+                return True
+        return False
+
+    def _make_room(self, adapter_id: str, parts: dict[str, Any]) -> int:
+        """A free slot with room in the budget for ``parts``, evicting LRU adapters; none
+        is evicted unless that makes room."""
+        lora, budget = self.lora, self.lora.budget_bytes
+        if budget is not None and lora.cost(parts, []) > budget:
+            rank = max(a.shape[0] for a, _ in parts.values())
+            raise AdapterTooLarge(
+                f"its rank {rank} over {len(parts)} modules needs {_mb(lora.cost(parts, []))} "
+                f"of adapter memory, more than the {_mb(budget)} a replica has "
+                "(serve_adapter_memory)"
+            )
+
+        def fits(slots: list[int] | None = None) -> bool:
+            return budget is None or lora.used_bytes(slots) + lora.cost(parts, slots) <= budget
+
+        stay = [e.loaded.slot for e in self._entries.values() if e.pinned or e.in_flight]
+        if len(stay) >= self.capacity or not fits(stay):
+            why = (
+                f"all {self.capacity} adapter slots hold"
+                if len(stay) >= self.capacity
+                else f"{_mb(lora.used_bytes(stay))} of the {_mb(budget or 0)} of adapter "
+                f"memory (this adapter needs {_mb(lora.cost(parts, stay))}) are held by"
+            )
+            raise CacheFullError(
+                f"{why} pinned adapters or adapters with requests in flight; unpin one or "
+                "raise max_adapters_per_replica or serve_adapter_memory"
+            )
+        while True:
+            used = {e.loaded.slot for e in self._entries.values()}
+            free = next((s for s in range(1, self.capacity + 1) if s not in used), None)
+            if free is not None and fits():
+                return free
+            if not self._evict_oldest():  # cannot be: what stays fits, checked above
+                raise RuntimeError(f"no room for adapter {adapter_id!r} after evicting all")
 
     def acquire(self, adapter_id: str, *, pin: bool | None = None, hold: bool = True) -> int:
         """The slot of ``adapter_id``, loading it first if needed; with ``hold`` the caller
@@ -121,7 +167,7 @@ class AdapterCache:
             if entry is None:
                 if parts is None:  # evicted meanwhile: read again (rare)
                     parts = factors(*read_adapter(self.locate(adapter_id)))
-                slot = self._free_slot()
+                slot = self._make_room(adapter_id, parts)
                 self.lora.write(slot, parts)
                 rank = max(a.shape[0] for a, _ in parts.values())
                 loaded = LoadedAdapter(
@@ -162,3 +208,7 @@ class AdapterCache:
     def load_time(self, adapter_id: str) -> float:
         with self._lock:
             return self._entries[adapter_id].loaded.load_s
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

@@ -23,6 +23,8 @@ _PEFT_PREFIX = "base_model.model."
 class AdapterError(ValueError):
     """An adapter this server cannot serve; the message names it and says why."""
 
+    code = "adapter_unservable"  # the OpenAI-style error code of the 400 it becomes
+
 
 def read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``adapter_config.json`` and ``adapter_model.safetensors`` of a peft LoRA folder,

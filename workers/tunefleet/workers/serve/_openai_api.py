@@ -295,12 +295,13 @@ _Parsed = TypeVar("_Parsed", bound=BaseModel)
 
 def unservable(adapter_id: str, exc: AdapterError) -> JSONResponse:
     """400: an adapter batched serving cannot apply exactly (DoRA, trained biases, another
-    base's shapes...): the request is fine, the adapter needs the merged mode."""
+    base's shapes, more than the replica's adapter memory...): the request is fine, the
+    adapter needs the merged mode."""
     return error(
         400,
         f"adapter {adapter_id!r} cannot be served batched: {exc}; an admin can serve it merged "
         "(PATCH /v1/admin/adapters/{model} with serving_mode 'merged')",
-        "adapter_unservable",
+        exc.code,
     )
 
 

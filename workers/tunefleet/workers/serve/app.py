@@ -80,6 +80,7 @@ class ServingOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     max_adapters_per_replica: int = Field(default=64, ge=1, le=MAX_ADAPTERS_PER_REPLICA)
+    adapter_memory_bytes: int = Field(default=4 << 30, gt=0)  # the adapters' byte budget
     max_batch_size: int = Field(default=32, ge=1, le=1024)
     batch_wait_ms: float = Field(default=5.0, ge=0, le=1000)
     base_quantization: Literal["none", "nf4"] = "none"
@@ -163,7 +164,11 @@ class LoraServer:
         log.info("serving %s in %s (%s)", base_model, self.precision, why)
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         base = load_serving_base(model_path, self.options.base_quantization, dtype)
-        self.lora = MultiLoraModel(base, max_adapters=self.options.max_adapters_per_replica)
+        self.lora = MultiLoraModel(
+            base,
+            max_adapters=self.options.max_adapters_per_replica,
+            budget_bytes=self.options.adapter_memory_bytes,
+        )
         # a loaded adapter's files stay in the node's cache (pinned) until it is unloaded
         self._pins: dict[str, Pin] = {}
         self._pins_lock = threading.Lock()
@@ -362,6 +367,7 @@ class LoraServer:
             "merged": sorted(self.merged),
             "pinned": self.applied.pinned,
             "capacity": self.cache.capacity,
+            "memory": self.cache.memory(),
             "running": len(self.engine.active),
         }
 
