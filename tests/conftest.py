@@ -60,6 +60,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # bf16 serving has its own tests: the demo (tests/e2e/test_demo.py serves "auto"),
     # the packed bf16 layers (test_multilora.py) and the detection (test_precision.py).
     os.environ["TUNEFLEET_SERVE_PRECISION"] = "fp32"
+    # A replica reserves its adapter budget in Ray's memory resource, and the tests' Ray
+    # clusters each count the machine's memory as theirs: 256 MiB (36 of SmolLM2's r=16
+    # q/k/v/o adapters) leaves room for every stack's replicas side by side.
+    os.environ["TUNEFLEET_SERVE_ADAPTER_MEMORY"] = "256Mi"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

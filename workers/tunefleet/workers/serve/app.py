@@ -588,14 +588,14 @@ def build_app(
         if max_replicas > min_replicas
         else {"num_replicas": min_replicas}
     )
-    # A replica reserves the memory its base weights take: a node holding replicas is
-    # never idle, so Ray's autoscaler does not remove it (and its adapters) as unused.
+    # A replica reserves the memory its base weights and its adapters' budget take: Ray
+    # places it only where both fit beside the node's other replicas (of other base models
+    # too), its autoscaler adds a node for one that fits nowhere, and a node holding
+    # replicas is never idle, so it does not remove it (and its adapters) as unused.
+    options = options or ServingOptions()
     weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
-    actor = {**deployment.ray_actor_options, "memory": max(weights, 1)}
+    memory = weights + options.adapter_memory_bytes
+    actor = {**deployment.ray_actor_options, "memory": memory}
     return deployment.options(name="LoraServer", ray_actor_options=actor, **scaling).bind(
-        base_model,
-        model_path,
-        store,
-        (options or ServingOptions()).model_dump(),
-        secret,
+        base_model, model_path, store, options.model_dump(), secret
     )
