@@ -70,17 +70,20 @@ def test_a_sharded_model_is_listed_and_loads_and_a_missing_shard_is_named(
 
 # Tiny random configs of each Llama-family architecture the planner knows (transformers
 # model types), at the tiny Llama's sizes.
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
 def test_the_planners_parameter_counts_are_the_real_models(model_type: str) -> None:
-    """Total, LoRA (every projection) and bias parameters as the planner counts them from
-    the saved config are what the real model, and peft on it, count."""
-    from peft import LoraConfig, get_peft_model
+    """Total, LoRA (every projection), IA3 and bias parameters as the planner counts them from
+    the saved config are what the real model, and peft on it, count. On Phi-3 the Llama
+    names target its fused qkv_proj and gate_up_proj: fewer LoRA parameters than on
+    separate projections (one A per fused module)."""
+    from peft import IA3Config, LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tunefleet.platform.planner import LINEAR_MODULES, ModelShape, lora_params
+    from tunefleet.platform.planner import ModelShape, PlanInput, lora_params, parameter_counts
+    from tunefleet.platform.spec import LINEAR_MODULES, model_targets
 
     config = AutoConfig.for_model(
         model_type, vocab_size=320, hidden_size=64, intermediate_size=128,
@@ -94,9 +97,26 @@ def test_the_planners_parameter_counts_are_the_real_models(model_type: str) -> N
     biases = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".bias"))
     assert shape.bias_params == biases
     assert (biases > 0) == (model_type == "qwen2")  # Qwen2's q, k and v
-    lora = get_peft_model(model, LoraConfig(r=8, target_modules=list(LINEAR_MODULES)))
+    assert set(shape.linear_shapes()) == {
+        n.rsplit(".", 1)[-1]
+        for n, m in model.model.layers[0].named_modules()
+        if hasattr(m, "in_features")
+    }
+    targets = model_targets(list(LINEAR_MODULES), shape.fused)
+    assert shape.fused == (model_type == "phi3") and len(targets) == (4 if shape.fused else 7)
+    lora = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
     trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     assert lora_params(shape, 8, list(LINEAR_MODULES)) == trainable
+    ia3 = PlanInput(method="ia3")  # its defaults: k_proj, v_proj, down_proj
+    scaled = get_peft_model(
+        AutoModelForCausalLM.from_config(config),
+        IA3Config(
+            target_modules=model_targets(list(ia3.ia3_targets), shape.fused),
+            feedforward_modules=model_targets(list(ia3.ia3_feedforward), shape.fused),
+        ),
+    )
+    vectors = sum(p.numel() for p in scaled.parameters() if p.requires_grad)
+    assert parameter_counts(shape, ia3)[0] == vectors
 
 
 def test_bitfit_is_offered_on_qwen2s_biases_and_refused_on_llamas_none() -> None:
@@ -120,3 +140,47 @@ def test_bitfit_is_offered_on_qwen2s_biases_and_refused_on_llamas_none() -> None
         else:
             with pytest.raises(InvalidRequest, match="BitFit trains only the bias terms"):
                 build_spec(req, job_id="j", tenant_id="t", config=config, examples=8)
+
+
+def test_phi3_targets_map_to_its_fused_modules_and_fused_names_elsewhere_are_refused() -> None:
+    """Phi-3 computes q, k, v in one qkv_proj and gate, up in one gate_up_proj: the Llama
+    names of a job's targets (and the defaults) name those, once each; a fused name on a
+    model without them is a 400 naming the model's own modules."""
+    from transformers import AutoConfig
+
+    from tunefleet.platform.jobs import JobCreateRequest, build_spec
+    from tunefleet.platform.planner import ModelShape, lora_params, resolve_targets
+
+    sizes = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    phi3 = json.loads(AutoConfig.for_model("phi3", **sizes).to_json_string())
+    llama = json.loads(AutoConfig.for_model("llama", **sizes).to_json_string())
+
+    def job(options: dict[str, object], config: dict[str, object]) -> object:
+        req = JobCreateRequest.model_validate(
+            {"model": "m", "training_file": "file-1", "tunefleet": options}
+        )
+        return build_spec(req, job_id="j", tenant_id="t", config=config, examples=8)[0]
+
+    shape = ModelShape.from_config(phi3)
+    assert resolve_targets(shape, ["q_proj", "v_proj"]) == ["qkv_proj"]
+    assert resolve_targets(shape, ["k_proj", "v_proj", "down_proj"]) == ["qkv_proj", "down_proj"]
+    assert resolve_targets(shape, ["all-linear"]) == [
+        "qkv_proj",
+        "o_proj",
+        "gate_up_proj",
+        "down_proj",
+    ]
+    assert lora_params(shape, 8, ["q_proj", "v_proj"]) == 2 * 8 * (64 + 64 + 2 * 32)
+    job({"method": "lora", "lora": {"target_modules": ["q_proj", "v_proj"]}}, phi3)
+    job({"method": "lora", "lora": {"target_modules": ["gate_up_proj"]}}, phi3)
+    job({"method": "ia3"}, phi3)  # the defaults: k_proj, v_proj, down_proj
+    for options, field in (
+        ({"method": "lora", "lora": {"target_modules": ["qkv_proj"]}}, "lora"),
+        ({"method": "ia3", "ia3": {"target_modules": ["gate_up_proj"], "feedforward_modules": []}},
+         "ia3"),
+    ):  # fmt: skip
+        with pytest.raises(InvalidRequest) as refused:
+            job(options, llama)
+        assert refused.value.param == f"tunefleet.{field}.target_modules"
+        assert "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in str(refused.value)

@@ -250,6 +250,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3": {},
     "gemma2": {"sliding_window": 8},
     "gemma3_text": {"sliding_window": 8},
+    "phi3": {},  # fused qkv_proj and gate_up_proj: the Llama target names map onto them
 }
 ARCH_METHODS = {  # method -> options
     "lora": {"lora": {"target_modules": ["all-linear"]}, "merged_model": True},

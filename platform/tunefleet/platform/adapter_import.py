@@ -39,7 +39,7 @@ from tunefleet.platform.ids import new_id
 from tunefleet.platform.model_check import PICKLE_SUFFIXES, model_tensors, read_json, tensor_header
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.spec import (
-    LINEAR_MODULES,
+    TARGET_MODULES,
     Hyperparameters,
     JobSpec,
     LoraOptions,
@@ -242,16 +242,16 @@ def check_adapter_folder(
     if isinstance(targets, str):
         raise _bad(
             f"{CONFIG} gives target_modules as the pattern {targets!r}; give them as "
-            f"a list of names among {', '.join(LINEAR_MODULES)}",
+            f"a list of names among {', '.join(TARGET_MODULES)}",
             param,
         )
     if not isinstance(targets, list) or not targets:
         raise _bad(f"{CONFIG} names no target_modules", param)
-    unknown = sorted(set(targets) - set(LINEAR_MODULES))
+    unknown = sorted(set(targets) - set(TARGET_MODULES))
     if unknown:
         raise _bad(
             f"{CONFIG} targets {unknown}, which are not linear layers TuneFleet "
-            f"adapts; use some of {', '.join(LINEAR_MODULES)}",
+            f"adapts; use some of {', '.join(TARGET_MODULES)}",
             param,
         )
 
@@ -320,7 +320,7 @@ def check_adapter_folder(
     return AdapterCheck(
         r=r,
         alpha=float(alpha),
-        target_modules=tuple(sorted(set(targets), key=LINEAR_MODULES.index)),
+        target_modules=tuple(sorted(set(targets), key=TARGET_MODULES.index)),
         use_rslora=bool(config.get("use_rslora")),
         use_dora=dora,
         parameters=parameters,

@@ -36,6 +36,7 @@ from tunefleet.platform.ids import new_id
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.outbound import PUBLIC_ONLY, OutboundPolicy, OutboundRefused
 from tunefleet.platform.planner import (
+    FUSED_TYPES,
     ModelShape,
     PlanDevice,
     chart_of_plan,
@@ -52,6 +53,8 @@ from tunefleet.platform.spec import (
     TrackingSpaces,
     TuneFleetOptions,
     dpo_problem,
+    layer_modules,
+    model_targets,
 )
 from tunefleet.platform.status import JobStatus
 from tunefleet.platform.tenants import Principal
@@ -383,6 +386,19 @@ def build_spec(
             "e.g. 'lora' or 'ia3'",
             param="tunefleet.method",
         )
+    fused = config.get("model_type") in FUSED_TYPES
+    for methods, field, targets in (
+        (("lora", "qlora"), "tunefleet.lora.target_modules", options.lora.target_modules),
+        (("ia3",), "tunefleet.ia3.target_modules", options.ia3.target_modules),
+    ):
+        modules = layer_modules(fused)
+        unknown = [t for t in model_targets(targets, fused) if t not in modules]
+        if options.method in methods and targets != ["all-linear"] and unknown:
+            raise InvalidRequest(
+                f"{field} {unknown} are not linear modules of {req.model!r}, whose layers "
+                f"have {', '.join(modules)}; target those or ['all-linear']",
+                param=field,
+            )
     objective = req.objective
     if objective == "dpo" and (problem := dpo_problem(options)):
         raise InvalidRequest(problem[1], param=problem[0])

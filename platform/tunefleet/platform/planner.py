@@ -10,9 +10,10 @@ what would be needed.
 Model shapes come from a Hugging Face config of a Llama-family decoder, whose layers have
 the same seven projections: Llama, SmolLM2, Mistral, Qwen2 (biased q, k and v), Qwen3 and
 Gemma 3 (a norm on each head's queries and keys), Gemma 2 and 3 (norms before and after
-attention and the MLP: ``FAMILY_TRAITS``). No torch here: parameter counts are exact
-arithmetic over the shapes (``tests/workers/test_model_registry.py`` holds them to real
-models of each).
+attention and the MLP: ``FAMILY_TRAITS``), Phi-3 (q, k and v in one ``qkv_proj``, gate and
+up in one ``gate_up_proj``: ``FUSED_TYPES``; the same parameters, fewer modules). No
+torch here: parameter counts are exact arithmetic over the shapes
+(``tests/workers/test_model_registry.py`` holds them to real models of each).
 
 Glossary: *trainable* parameters get gradients and optimizer states; *frozen* ones only
 weights. *Mixed precision* (bf16/fp16) keeps working weights and gradients in 16 bits and
@@ -30,7 +31,12 @@ import orjson
 from pydantic import ValidationError
 
 from tunefleet.platform.errors import InvalidRequest
-from tunefleet.platform.spec import LINEAR_MODULES, JobSpec, Method, TuneFleetOptions
+from tunefleet.platform.spec import (
+    JobSpec,
+    Method,
+    TuneFleetOptions,
+    model_targets,
+)
 from tunefleet.platform.spec import Strategy as SpecStrategy
 
 GiB = 1024**3
@@ -54,6 +60,8 @@ FAMILY_TRAITS: dict[str, tuple[bool, bool, int]] = {
     "gemma2": (False, False, 4),
     "gemma3_text": (False, True, 4),  # Gemma3ForCausalLM
 }
+# Model types whose layers fuse q, k and v into qkv_proj and gate and up into gate_up_proj.
+FUSED_TYPES = {"phi3"}
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ class ModelShape:
     qkv_bias: bool = False  # Qwen2: q, k and v have biases whatever attention_bias says
     qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm of head_dim on queries and keys
     norms_per_layer: int = 2  # Gemma 2 and 3: four
+    fused: bool = False  # Phi-3: qkv_proj and gate_up_proj
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
@@ -93,12 +102,16 @@ class ModelShape:
             qkv_bias=qkv_bias,
             qk_norm=qk_norm,
             norms_per_layer=norms,
+            fused=cfg.get("model_type") in FUSED_TYPES,
         )
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each linear module of one decoder layer."""
         h, i = self.hidden_size, self.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.fused:
+            return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h),
+                    "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}  # fmt: skip
         return {
             "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
@@ -127,9 +140,9 @@ class ModelShape:
     def bias_params(self) -> int:
         """Bias terms of the projections (attention_bias, mlp_bias): what BitFit trains."""
         shapes = self.linear_shapes()
-        attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+        attention = [n for n in shapes if n in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")]
         biased = [n for n in attention if self.attention_bias or (self.qkv_bias and n != "o_proj")]
-        biased += [n for n in ("gate_proj", "up_proj", "down_proj") if self.mlp_bias]
+        biased += [n for n in shapes if n not in attention and self.mlp_bias]
         return self.num_layers * sum(shapes[n][1] for n in biased)
 
     @property
@@ -143,24 +156,23 @@ class ModelShape:
         )
 
 
-def resolve_targets(targets: list[str]) -> list[str]:
-    """peft's target names to module names; ``all-linear`` is every projection (not the
-    output head, as peft does for causal LMs)."""
+def resolve_targets(shape: ModelShape, targets: list[str]) -> list[str]:
+    """peft's target names to the model's module names (``spec.model_targets``: on Phi-3
+    q_proj is its qkv_proj); ``all-linear`` is every projection (not the output head, as
+    peft does for causal LMs)."""
+    modules = list(shape.linear_shapes())
     if targets == ["all-linear"]:
-        return list(LINEAR_MODULES)
-    unknown = [t for t in targets if t not in LINEAR_MODULES]
-    if unknown:
-        raise ValueError(
-            f"target_modules {unknown} are not linear modules of a Llama-family layer; "
-            f"use some of {', '.join(LINEAR_MODULES)} or ['all-linear']"
-        )
-    return targets
+        return modules
+    resolved = model_targets(targets, shape.fused)
+    if unknown := [t for t in resolved if t not in modules]:  # build_spec refuses them
+        raise ValueError(f"target_modules {unknown} are not among {modules}")
+    return resolved
 
 
 def lora_params(shape: ModelShape, r: int, targets: list[str]) -> int:
     """Parameters LoRA adds: r * (in + out) per targeted module per layer."""
     shapes = shape.linear_shapes()
-    per_layer = sum(r * (shapes[t][0] + shapes[t][1]) for t in resolve_targets(targets))
+    per_layer = sum(r * (shapes[t][0] + shapes[t][1]) for t in resolve_targets(shape, targets))
     return shape.num_layers * per_layer
 
 
@@ -231,9 +243,10 @@ def parameter_counts(shape: ModelShape, inp: PlanInput) -> tuple[int, int]:
     if inp.method in ("lora", "qlora"):
         added = lora_params(shape, inp.lora_r, list(inp.lora_targets))
     elif inp.method == "ia3":  # a vector per target: its input width for feed-forward ones
+        feedforward = model_targets(list(inp.ia3_feedforward), shape.fused)
         added = shape.num_layers * sum(
-            shapes[t][0 if t in inp.ia3_feedforward else 1]
-            for t in resolve_targets(list(inp.ia3_targets))
+            shapes[t][0 if t in feedforward else 1]
+            for t in resolve_targets(shape, list(inp.ia3_targets))
         )
     elif inp.method == "prefix_tuning":  # a key and a value per virtual token per layer
         kv = shape.num_kv_heads * shape.head_dim
@@ -269,24 +282,28 @@ def activation_bytes_per_layer(shape: ModelShape, inp: PlanInput) -> float:
     kv = shape.num_kv_heads * shape.head_dim
     c = _bytes(inp.precision)
     mixed = c < 4
-    width = {n: (h if n != "down_proj" else i) for n in LINEAR_MODULES}
+    modules = shape.linear_shapes()
+    width = {n: (h if n != "down_proj" else i) for n in modules}  # each module's input
     saved = 2 * (h + 1) * 4 + (2 * h + 2 * kv + 3 * i) * c + shape.num_heads * 4
     if inp.method == "full":
         saved += 2 * h * 4  # the norms' normalized inputs
-        inputs = [n for n in LINEAR_MODULES if n != "o_proj"] if mixed else []
+        inputs = [n for n in modules if n != "o_proj"] if mixed else []
         saved += sum(width[n] for n in inputs) * c if mixed else (2 * h + i) * 4
     elif inp.method in ("lora", "qlora"):
-        targets = resolve_targets(list(inp.lora_targets))
+        targets = resolve_targets(shape, list(inp.lora_targets))
         if mixed:
             saved += sum(width[n] for n in targets) * c
         else:  # one tensor per group of projections reading the same input
-            groups = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("down_proj",)]
-            saved += sum(width[g[0]] * 4 for g in groups if set(g) & set(targets))
+            groups = {("q_proj", "k_proj", "v_proj", "qkv_proj"): h,
+                      ("gate_proj", "up_proj", "gate_up_proj"): h, ("down_proj",): i}  # fmt: skip
+            saved += sum(w * 4 for g, w in groups.items() if set(g) & set(targets))
         saved += inp.lora_r * len(targets) * c
     elif inp.method == "ia3":
-        for n in resolve_targets(list(inp.ia3_targets)):
-            out = {"k_proj": kv, "v_proj": kv, "down_proj": h}.get(n, width[n])
-            saved += (width[n] if n in inp.ia3_feedforward else out) * c
+        feedforward = model_targets(list(inp.ia3_feedforward), shape.fused)
+        outputs = {"k_proj": kv, "v_proj": kv, "qkv_proj": modules.get("qkv_proj", (0, 0))[1]}
+        for n in resolve_targets(shape, list(inp.ia3_targets)):
+            out = {**outputs, "down_proj": h}.get(n, width[n])
+            saved += (width[n] if n in feedforward else out) * c
     elif inp.method == "adapter":
         saved += (h + 2 * inp.bottleneck) * 4
     return saved

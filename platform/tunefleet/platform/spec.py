@@ -43,17 +43,40 @@ Strategy = Literal["ddp", "zero2", "zero3", "zero3_offload"]
 # The linear modules of a Llama-family decoder layer: what LoRA and (IA)^3 may target
 # (the memory planner counts their parameters by these names).
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's fused projections, and the Llama ones each computes. On a Phi-3 model a Llama
+# name targets the fused module that holds it (q_proj: qkv_proj); on the others a fused
+# name is refused when the job is planned, naming the model's own modules.
+FUSED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+TARGET_MODULES = (*LINEAR_MODULES, *FUSED_MODULES)
+
+
+def layer_modules(fused: bool) -> tuple[str, ...]:
+    """The linear modules of a decoder layer, fused (Phi-3) or not."""
+    return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if fused else LINEAR_MODULES
+
+
+def model_targets(targets: list[str], fused: bool) -> list[str]:
+    """peft's target names for a model's own modules: on a fused one (``fused``: Phi-3)
+    each Llama name becomes the fused module holding it, once; elsewhere they stay."""
+    if not fused:
+        return list(targets)
+    named = [next((f for f, parts in FUSED_MODULES.items() if t in parts), t) for t in targets]
+    return list(dict.fromkeys(named))
 
 
 def _check_targets(field: str, targets: list[str], *, all_linear: bool) -> list[str]:
     if all_linear and targets == ["all-linear"]:
         return targets
-    unknown = [t for t in targets if t not in LINEAR_MODULES]
+    unknown = [t for t in targets if t not in TARGET_MODULES]
     if unknown:
         also = " or ['all-linear']" if all_linear else ""
         raise ValueError(
             f"{field} {unknown!r} are not linear modules of a Llama-family layer; use some "
-            f"of {', '.join(LINEAR_MODULES)}{also}"
+            f"of {', '.join(LINEAR_MODULES)}{also} (on Phi-3 these name its fused "
+            f"{', '.join(FUSED_MODULES)}, which may also be named)"
         )
     return targets
 

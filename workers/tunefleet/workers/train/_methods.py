@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tunefleet.platform.artifacts import METHOD_FILE
-from tunefleet.platform.spec import PEFT_METHODS, JobSpec
+from tunefleet.platform.planner import FUSED_TYPES
+from tunefleet.platform.spec import PEFT_METHODS, JobSpec, model_targets
 from tunefleet.workers._nf4 import dequantize_4bit_model, load_4bit
 
 TRAINABLE_FILE = "trainable.safetensors"
@@ -166,6 +167,7 @@ def build_model(spec: JobSpec, model_path: str) -> BuiltModel:
             use_gradient_checkpointing=checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
+    fused = model.config.model_type in FUSED_TYPES  # Phi-3: q_proj names its qkv_proj
     if method in ("lora", "qlora"):
         lora = opts.lora
         config: Any = LoraConfig(
@@ -174,15 +176,15 @@ def build_model(spec: JobSpec, model_path: str) -> BuiltModel:
             lora_dropout=lora.dropout,
             target_modules="all-linear"
             if lora.target_modules == ["all-linear"]
-            else list(lora.target_modules),
+            else model_targets(lora.target_modules, fused),
             use_rslora=lora.use_rslora,
             use_dora=lora.use_dora,
             task_type="CAUSAL_LM",
         )
     elif method == "ia3":
         config = IA3Config(
-            target_modules=list(opts.ia3.target_modules),
-            feedforward_modules=list(opts.ia3.feedforward_modules),
+            target_modules=model_targets(opts.ia3.target_modules, fused),
+            feedforward_modules=model_targets(opts.ia3.feedforward_modules, fused),
             task_type="CAUSAL_LM",
         )
     elif method == "prefix_tuning":
