@@ -84,8 +84,8 @@ def test_each_way_a_folder_is_wrong_is_named_with_its_fix(
     def fresh(name: str, model_type: str = "llama", **sizes: object) -> Path:
         return _save(tmp_path / name, model_type, tokenizer_folder, **sizes)
 
-    phi = fresh("phi", "phi3")
-    _refused(phi, "'Phi3ForCausalLM'", "supported: LlamaForCausalLM", "Gemma3ForCausalLM")
+    phi = fresh("phi", "phi")  # Phi-1 and Phi-2: not Phi-3's layers
+    _refused(phi, "'PhiForCausalLM'", "supported: LlamaForCausalLM", "Phi3ForCausalLM")
 
     pickled = fresh("pickled")
     (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04")
