@@ -38,7 +38,7 @@ from tunefleet.platform.serving_contract import (
     NOT_FOR_REPLICAS,
     replica_label_selector,
 )
-from tunefleet.platform.settings import Settings
+from tunefleet.platform.settings import Settings, parse_quantity
 
 VARIANTS = sorted((CHART / "ci").glob("*-values.yaml"))
 CRD = Path(__file__).parent / "kuberay-crds" / "ray.io_rayclusters.yaml"
@@ -749,10 +749,15 @@ def test_the_controller_knows_the_node_types_of_the_worker_groups(
                 "gpus": limits.get("nvidia.com/gpu", 0),
                 "resources": _offered(group),
                 "max_count": group["maxReplicas"],
+                # KubeRay starts Ray with --memory set to the pod's memory limit
+                "memory": limits["memory"],
+                **({"labels": group["labels"]} if "labels" in group else {}),
             }
         )
     node_types = json.loads(_controller_env(objects)["TUNEFLEET_NODE_TYPES"])
     assert node_types == expected
+    if name == "gpu":  # a CPU group serves: replicas keep off the GPU groups
+        assert [t.get("labels") for t in node_types] == [None] + [{NODE_ROLE_LABEL: "training"}] * 2
     assert [t["name"] for t in node_types] == (
         ["cpu", "a100", "h100x8"] if name == "gpu" else ["cpu"]
     )
@@ -763,7 +768,9 @@ def test_the_controller_knows_the_node_types_of_the_worker_groups(
     for key in ("TUNEFLEET_NODE_TYPES", "TUNEFLEET_RUN_DRIVER_RESOURCES"):
         monkeypatch.setenv(key, env[key])
     read = Settings()
-    assert [t.model_dump() for t in read.node_types] == expected
+    assert [t.model_dump() for t in read.node_types] == [
+        {"labels": {}, **t, "memory": parse_quantity(t["memory"])} for t in expected
+    ]
     assert read.run_driver_resources == {"tunefleet-driver": 1}
 
 

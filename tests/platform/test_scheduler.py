@@ -16,6 +16,7 @@ from tunefleet.platform.scheduler import (
     TenantQuota,
     Wait,
     plan,
+    replica_never_fits,
 )
 
 S = 1_000_000_000  # ns per second
@@ -392,3 +393,39 @@ def test_ia3_is_served_merged_every_other_method_batched() -> None:
 
     assert serving_mode("ia3") == "merged"
     assert {serving_mode(m) for m in ("lora", "qlora", "dora", "full")} == {"multiplexed"}
+
+
+GiB = 1 << 30
+TRAINING = {"tunefleet.io/role": "training"}
+
+
+def test_a_serving_replica_is_refused_only_where_no_node_it_may_use_holds_it() -> None:
+    """A replica reserves its weights plus its adapter memory: it fits where one node
+    that takes replicas (live, or of a type the autoscaler can still add) has that much
+    Ray memory, or where a node's memory is not known; the head and training-only groups
+    do not count, nor a type that may hold no node."""
+    live = Node("n1", cpus=4, memory=16 * GiB)
+    assert replica_never_fits("m", 2 * GiB, 4 * GiB, [live], []) is None
+    assert replica_never_fits("m", 2 * GiB, 14 * GiB, [live], []) is None  # exactly full
+    big = NodeType("big", cpus=8, memory=64 * GiB)
+    assert replica_never_fits("m", 2 * GiB, 40 * GiB, [live], [big]) is None  # can be added
+    assert replica_never_fits("m", 2 * GiB, 40 * GiB, [live], [NodeType("x", 8)]) is None
+
+    head = Node("head", cpus=0, memory=512 * GiB, labels={"tunefleet.io/role": "head"})
+    gpu = NodeType("a100", cpus=8, gpus=1, memory=512 * GiB, labels=TRAINING)
+    none_left = replace(big, max_count=0)
+    why = replica_never_fits("m", 2 * GiB, 40 * GiB, [live, head], [gpu, none_left])
+    assert why is not None
+    assert "base model 'm' reserves 42.00 GiB of Ray memory" in why
+    assert "weights (2.00 GiB)" in why and "adapter memory (40.00 GiB" in why
+    assert "serve.adapterMemory" in why
+    assert "the largest node that serves, live node n1, has 16.00 GiB" in why
+    assert "lower the adapter memory to at most 14.00 GiB" in why
+    assert "add a node type for serving with more memory" in why
+
+    weights_alone = replica_never_fits("m", 20 * GiB, 1 * GiB, [live], [])
+    assert weights_alone is not None and "the weights alone do not fit" in weights_alone
+    assert "lower the adapter memory" not in weights_alone
+
+    nowhere = replica_never_fits("m", 1 * GiB, 1 * GiB, [head], [gpu])
+    assert nowhere is not None and "no node the cluster has or can add" in nowhere

@@ -127,10 +127,15 @@ tunefleet.io/member: {{ .Release.Name | quote }}
 {{- $resources := include "tunefleet.workerRayResources" . | fromJson }}
 {{- $types := list }}
 {{- with .Values.ray.cpuWorkers }}{{ if .enabled }}
-{{- $types = append $types (dict "name" "cpu" "cpus" (include "tunefleet.cpuCount" .resources | float64) "gpus" 0 "resources" $resources "max_count" .maxReplicas) }}
+{{- $type := dict "name" "cpu" "cpus" (include "tunefleet.cpuCount" .resources | float64) "gpus" 0 "resources" $resources "max_count" .maxReplicas }}
+{{- with (.resources.limits | default dict).memory }}{{ $_ := set $type "memory" (toString .) }}{{ end }}
+{{- $types = append $types $type }}
 {{- end }}{{ end }}
 {{- range .Values.ray.gpuWorkerGroups }}
-{{- $types = append $types (dict "name" .name "cpus" (include "tunefleet.cpuCount" .resources | float64) "gpus" .gpus "resources" $resources "max_count" .maxReplicas) }}
+{{- $type := dict "name" .name "cpus" (include "tunefleet.cpuCount" .resources | float64) "gpus" .gpus "resources" $resources "max_count" .maxReplicas }}
+{{- with (.resources.limits | default dict).memory }}{{ $_ := set $type "memory" (toString .) }}{{ end }}
+{{- if $.Values.ray.cpuWorkers.enabled }}{{ $_ := set $type "labels" (dict "tunefleet.io/role" "training") }}{{ end }}
+{{- $types = append $types $type }}
 {{- end }}
 {{- toJson $types }}
 {{- end }}

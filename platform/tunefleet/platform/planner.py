@@ -464,7 +464,7 @@ def chart(
     return steps
 
 
-def _fmt(nbytes: float) -> str:
+def fmt_bytes(nbytes: float) -> str:
     if nbytes >= GiB:
         return f"{nbytes / GiB:.2f} GiB"
     return f"{nbytes / 2**20:.1f} MiB"
@@ -485,7 +485,7 @@ def advise(
     offload must also fit in ``host_bytes`` of host memory per worker. A given
     ``strategy`` is kept: only gradient checkpointing and the batch are chosen."""
     budget = device_bytes * headroom
-    reasons = [f"budget {_fmt(budget)} of {_fmt(device_bytes)} per device"]
+    reasons = [f"budget {fmt_bytes(budget)} of {fmt_bytes(device_bytes)} per device"]
     path = list(CHART) if strategy is None else [(strategy, False), (strategy, True)]
     for step, ckpt in path:
         if step == "zero3" and inp.num_workers == 1 and strategy is None:
@@ -494,12 +494,12 @@ def advise(
         one = plan_memory(shape, trial)
         label = step + (" + gradient checkpointing" if ckpt else "")
         if one.total > budget:
-            reasons.append(f"{label}: {_fmt(one.total)} at batch 1 does not fit")
+            reasons.append(f"{label}: {fmt_bytes(one.total)} at batch 1 does not fit")
             continue
         if one.cpu_offloaded > host_bytes * headroom:
             reasons.append(
-                f"{label}: fits the device but offloads {_fmt(one.cpu_offloaded)} to host "
-                f"memory, more than {_fmt(host_bytes * headroom)} available"
+                f"{label}: fits the device but offloads {fmt_bytes(one.cpu_offloaded)} to host "
+                f"memory, more than {fmt_bytes(host_bytes * headroom)} available"
             )
             continue
         # Largest per-device batch that fits: the plan grows linearly with the batch.
@@ -510,7 +510,7 @@ def advise(
         accum = max(1, math.ceil(global_batch / (batch * trial.num_workers)))
         final = plan_memory(shape, replace(trial, per_device_batch=batch))
         reasons.append(
-            f"{label}: {_fmt(final.total)} at per-device batch {batch} fits; "
+            f"{label}: {fmt_bytes(final.total)} at per-device batch {batch} fits; "
             f"{accum} accumulation step(s) reach the global batch {global_batch}"
         )
         return Advice(step, ckpt, True, batch, accum, final, reasons)
@@ -520,12 +520,12 @@ def advise(
     whole = plan_memory(shape, replace(base, strategy="zero3", num_workers=1))
     need_workers = math.ceil(whole.states / max(budget - floor.activations - floor.logits, 1))
     reasons.append(
-        f"nothing fits: weights, gradients and optimizer states take {_fmt(whole.states)} in "
-        f"all; with CPU offload a device needs {_fmt(floor.total)} plus "
-        f"{_fmt(floor.cpu_offloaded)} of host memory, at batch 1"
+        f"nothing fits: weights, gradients and optimizer states take {fmt_bytes(whole.states)} in "
+        f"all; with CPU offload a device needs {fmt_bytes(floor.total)} plus "
+        f"{fmt_bytes(floor.cpu_offloaded)} of host memory, at batch 1"
     )
     suggestions = [
-        f"host memory of at least {_fmt(floor.cpu_offloaded / headroom)} for CPU offload"
+        f"host memory of at least {fmt_bytes(floor.cpu_offloaded / headroom)} for CPU offload"
     ]
     if inp.method == "full":
         suggestions.append("LoRA or QLoRA instead of full fine-tuning")
@@ -641,7 +641,7 @@ def _resolve_spec(
     if not advice.fits or (advice.strategy == "zero3_offload" and cpu_workers):
         why = "does not fit" if not advice.fits else "needs zero3_offload (GPU workers)"
         raise InvalidRequest(
-            f"job {why} on workers with {_fmt(device_bytes)} each: "
+            f"job {why} on workers with {fmt_bytes(device_bytes)} each: "
             + "; ".join(advice.reasons[1:]),
             param="tunefleet",
             code="does_not_fit",

@@ -40,13 +40,18 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from tunefleet.platform.planner import fmt_bytes
+from tunefleet.platform.serving_contract import NODE_ROLE_LABEL, NOT_FOR_REPLICAS
+
 STARVATION_S = 600.0
 
 
 @dataclass(frozen=True)
 class Node:
     """A Ray node: its total and currently free (not held by TuneFleet runs) resources.
-    ``resources`` are its other Ray resources (an accelerator type, an operator's own)."""
+    ``resources`` are its other Ray resources (an accelerator type, an operator's own);
+    ``memory`` is Ray's ``memory`` resource in bytes (a KubeRay pod's memory limit), None
+    where not known; ``labels`` its Ray node labels."""
 
     id: str
     cpus: float
@@ -55,6 +60,8 @@ class Node:
     free_gpus: float | None = None
     resources: Mapping[str, float] = field(default_factory=dict)
     free_resources: Mapping[str, float] | None = None
+    memory: float | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def free(self) -> tuple[float, float]:
@@ -68,7 +75,8 @@ class Node:
 class NodeType:
     """A kind of node the cluster can add (an autoscaler's node type, a KubeRay worker
     group): what one node has, how many the group may hold (``max_count``, -1 for no
-    limit) and how many of them are up now (``live``)."""
+    limit) and how many of them are up now (``live``). ``memory`` and ``labels`` as for
+    ``Node``."""
 
     name: str
     cpus: float
@@ -76,6 +84,8 @@ class NodeType:
     resources: Mapping[str, float] = field(default_factory=dict)
     max_count: int = -1
     live: int = 0
+    memory: float | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     def addable(self, wanted: int) -> int:
         """How many more nodes of this type can come, at most ``wanted``."""
@@ -389,6 +399,59 @@ def _never_fits(job: QueuedJob, snapshot: Snapshot) -> str:
         f"{cpus:g} CPU and {gpus:g} GPU{more}; lower tunefleet.resources (fewer workers, or "
         "fewer CPUs/GPUs each), or add a node type that holds a worker"
     )
+
+
+# -- serving: does a replica fit any node? ---------------------------------------------
+
+
+def replica_never_fits(
+    base_model: str,
+    weights: float,
+    adapter_memory: float,
+    nodes: Sequence[Node],
+    node_types: Sequence[NodeType],
+) -> str | None:
+    """Why a serving replica of ``base_model`` (it reserves its ``weights`` plus its
+    ``adapter_memory`` budget in Ray's memory resource) could be placed on no node the
+    cluster has or can add, or None where one may hold it. Nodes labelled not for replicas
+    (the head, the controllers', training-only groups) do not count; a node or node type
+    whose memory is not known may hold it. Ray would otherwise keep such a replica
+    pending for ever, and its autoscaler could add no node for it."""
+    ask = weights + adapter_memory
+
+    def serves(labels: Mapping[str, str]) -> bool:
+        return labels.get(NODE_ROLE_LABEL) not in NOT_FOR_REPLICAS
+
+    kinds = [
+        (f"node type {t.name!r}", t.memory)
+        for t in node_types
+        if serves(t.labels) and t.max_count != 0
+    ] + [(f"live node {n.id}", n.memory) for n in nodes if serves(n.labels)]
+    if any(memory is None or memory >= ask for _, memory in kinds):
+        return None
+    asked = (
+        f"a serving replica of base model {base_model!r} reserves {fmt_bytes(ask)} of Ray "
+        f"memory: its weights ({fmt_bytes(weights)}) and its adapter memory "
+        f"({fmt_bytes(adapter_memory)}, TUNEFLEET_SERVE_ADAPTER_MEMORY, the chart's "
+        "serve.adapterMemory)"
+    )
+    bigger = (
+        "add a node type for serving with more memory (a worker group's memory limit is "
+        "its nodes' Ray memory)"
+    )
+    if not kinds:
+        return (
+            f"{asked}; no node the cluster has or can add takes serving replicas (those "
+            f"labelled {NODE_ROLE_LABEL} in {', '.join(NOT_FOR_REPLICAS)} do not): {bigger}"
+        )
+    name, memory = max(kinds, key=lambda k: k[1] or 0.0)
+    largest = memory or 0.0
+    fix = (
+        f"lower the adapter memory to at most {fmt_bytes(largest - weights)}, or {bigger}"
+        if largest > weights
+        else f"the weights alone do not fit: {bigger}, or serve a smaller model"
+    )
+    return f"{asked}; the largest node that serves, {name}, has {fmt_bytes(largest)}: {fix}"
 
 
 # -- after a run: retry or give up ------------------------------------------------------

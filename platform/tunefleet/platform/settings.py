@@ -33,6 +33,21 @@ class NodeTypeSetting(BaseModel):
         default_factory=dict, description="Its other Ray resources (custom, accelerator type)."
     )
     max_count: int = Field(default=-1, ge=-1, description="Most nodes of the group (-1: no limit).")
+    memory: int | None = Field(
+        default=None,
+        gt=0,
+        description="Ray memory of one node, in bytes or as a Kubernetes quantity (a "
+        "KubeRay pod's memory limit, 16Gi); None: not known.",
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Its nodes' Ray labels (tunefleet.io/role: training keeps replicas off).",
+    )
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _quantity(cls, v: object) -> object:
+        return parse_quantity(v) if isinstance(v, str) else v
 
 
 class Settings(BaseSettings):
@@ -243,9 +258,9 @@ class Settings(BaseSettings):
     node_types: tuple[NodeTypeSetting, ...] = Field(
         default=(),
         description="The node types the Ray cluster's autoscaler can add, a JSON list of "
-        '{"name", "cpus", "gpus", "resources", "max_count"} (the chart renders it from its '
-        "worker groups). Empty: those Ray's autoscaler reports, if any; without either, "
-        "jobs are planned on the live nodes alone.",
+        '{"name", "cpus", "gpus", "resources", "max_count", "memory", "labels"} (the chart '
+        "renders it from its worker groups). Empty: those Ray's autoscaler reports, if "
+        "any; without either, jobs are planned on the live nodes alone.",
     )
     capacity_wait_s: float = Field(
         default=1800,

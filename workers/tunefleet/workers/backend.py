@@ -13,11 +13,11 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tunefleet.platform.scheduler import Node, NodeType
+from tunefleet.platform.scheduler import Node, NodeType, replica_never_fits
 from tunefleet.platform.serving_contract import app_name, route_prefix, serve_secret
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.spec import INTEGRATION_ENV
@@ -118,6 +118,8 @@ class RayBackend:
                     free_gpus=None if free is None else float(free.get("GPU", 0.0)),
                     resources=_custom(total),
                     free_resources=None if free is None else _custom(free),
+                    memory=total.get("memory"),
+                    labels=dict(n.get("Labels") or {}),
                 )
             )
         return nodes
@@ -129,7 +131,7 @@ class RayBackend:
         import ray
 
         configured = [
-            (t.name, t.cpus, t.gpus, dict(t.resources), t.max_count)
+            NodeType(t.name, t.cpus, t.gpus, dict(t.resources), t.max_count, 0, t.memory, t.labels)
             for t in self.settings.node_types
         ]
         if not configured:
@@ -143,7 +145,11 @@ class RayBackend:
             for group in config.node_group_configs if config is not None else []:
                 res = dict(group.resources)
                 cpus, gpus = float(res.pop("CPU", 0)), float(res.pop("GPU", 0))
-                configured.append((group.name, cpus, gpus, _custom(res), group.max_count))
+                configured.append(  # its proto has no labels
+                    NodeType(
+                        group.name, cpus, gpus, _custom(res), group.max_count, 0, res.get("memory")
+                    )
+                )
         if not configured:
             return []
         live: dict[str, int] = {}
@@ -155,10 +161,7 @@ class RayBackend:
                 live[node.ray_node_type_name] = live.get(node.ray_node_type_name, 0) + 1
         except Exception:  # counted as none up: a group at its limit is found out later
             log.warning("Ray's autoscaler state is not available", exc_info=True)
-        return [
-            NodeType(name, cpus, gpus, res, max_count, live.get(name, 0))
-            for name, cpus, gpus, res, max_count in configured
-        ]
+        return [replace(t, live=live.get(t.name, 0)) for t in configured]
 
     def draining_nodes(self) -> dict[str, float]:
         """Nodes being drained (a preemption notice, a pod terminating, a scale-down),
@@ -243,10 +246,12 @@ class RayBackend:
 
     # -- serving (Ray Serve) -----------------------------------------------------------
     def deploy_model_server(self, base_model: str, model_path: str) -> str:
-        """Deploy (or keep) the Serve application for ``base_model``; returns its route."""
+        """Deploy (or keep) the Serve application for ``base_model``; returns its route.
+        Refused (``ReplicaDoesNotFit``), before its application is deployed, where no node
+        the cluster has or can add holds one of its replicas."""
         from ray import serve
 
-        from tunefleet.workers.serve.app import ServingOptions, build_app
+        from tunefleet.workers.serve.app import ServingOptions, build_app, weights_bytes
 
         if not self._serve_started:
             serve.start(
@@ -263,6 +268,15 @@ class RayBackend:
         if status is not None and str(status.status) in {"RUNNING", "ApplicationStatus.RUNNING"}:
             return prefix
         st = self.settings
+        refused = replica_never_fits(
+            base_model,
+            weights_bytes(model_path),
+            st.serve_adapter_memory,
+            self.nodes(),
+            self.node_types(),
+        )
+        if refused is not None:
+            raise ReplicaDoesNotFit(refused)
         options = ServingOptions(
             max_adapters_per_replica=st.serve_max_adapters_per_replica,
             adapter_memory_bytes=st.serve_adapter_memory,
@@ -321,6 +335,10 @@ class RayBackend:
                 serve.shutdown()
             finally:
                 ray.shutdown()
+
+
+class ReplicaDoesNotFit(RuntimeError):
+    """A base model's serving replica fits no node the cluster has or can add."""
 
 
 # Resources every node has that no job asks for by name

@@ -563,6 +563,11 @@ class LoraServer:
         return {"status": "ok", "base_model": self.base_model, "precision": self.precision}
 
 
+def weights_bytes(model_path: str) -> int:
+    """What a replica reserves for its base model's weights: their safetensors' size."""
+    return sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+
+
 def build_app(
     *,
     base_model: str,
@@ -593,8 +598,7 @@ def build_app(
     # too), its autoscaler adds a node for one that fits nowhere, and a node holding
     # replicas is never idle, so it does not remove it (and its adapters) as unused.
     options = options or ServingOptions()
-    weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
-    memory = weights + options.adapter_memory_bytes
+    memory = weights_bytes(model_path) + options.adapter_memory_bytes
     actor = {**deployment.ray_actor_options, "memory": memory}
     return deployment.options(name="LoraServer", ray_actor_options=actor, **scaling).bind(
         base_model, model_path, store, options.model_dump(), secret
