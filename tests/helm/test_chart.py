@@ -805,6 +805,44 @@ def test_pods_that_cache_artifacts_request_the_cache_and_tell_the_app_its_size()
         assert "ephemeral-storage" not in c["resources"].get("requests", {}), name
 
 
+def test_ray_pods_keep_a_model_cache_of_its_size_where_it_is_on() -> None:
+    """`models.nodeCacheSize` gives every Ray pod (head and each worker group, the pods
+    where replicas and training workers load base models) an emptyDir of that size at
+    TUNEFLEET_MODEL_CACHE, requested as ephemeral storage beside the artifact cache (their
+    sum in bytes), and the size as a setting the application reads. No other pod gets
+    it, and without the value no pod does."""
+    objects = render(variant("s3"), "models.nodeCacheSize=8Gi", "artifacts.cacheSize=50Gi")
+    (ray_cluster,) = [o for o in objects if o["kind"] == "RayCluster"]
+    specs = pod_specs(ray_cluster)
+    assert len(specs) >= 2  # the head and the CPU group
+    for spec in specs:
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "model-cache"]
+        assert volume["emptyDir"]["sizeLimit"] == "8Gi"
+        (c,) = spec["containers"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "model-cache"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["TUNEFLEET_MODEL_CACHE"].startswith(mount["mountPath"] + "/")
+        read = Settings(
+            model_cache=env["TUNEFLEET_MODEL_CACHE"],
+            model_cache_size=env["TUNEFLEET_MODEL_CACHE_SIZE"],
+        )
+        assert read.model_cache_size == 8 << 30
+        assert int(c["resources"]["requests"]["ephemeral-storage"]) == (8 + 50) << 30
+    for obj in objects:
+        if obj["kind"] != "RayCluster":
+            for spec in pod_specs(obj):
+                assert all(v["name"] != "model-cache" for v in spec.get("volumes", []))
+    off = [o for o in rendered(variant("s3")) if o["kind"] == "RayCluster"]
+    for spec in pod_specs(off[0]):
+        assert all(v["name"] != "model-cache" for v in spec["volumes"])
+        assert "TUNEFLEET_MODEL_CACHE_SIZE" not in {e["name"] for e in spec["containers"][0]["env"]}
+    bad = helm(
+        "template", "t", str(CHART), "-f", str(variant("minimal")),
+        "--set", "models.nodeCacheSize=8 GB", "--set", "ray.checkOperator=false", check=False,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "nodeCacheSize" in bad.stderr
+
+
 def test_replicas_are_told_their_adapter_memory() -> None:
     """`serve.adapterMemory` and `serve.maxAdaptersPerReplica` reach the controller, which
     deploys the replicas, as settings the application reads (a quantity, in bytes)."""

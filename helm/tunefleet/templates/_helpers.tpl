@@ -212,13 +212,36 @@ tunefleet.io/member: {{ .Release.Name | quote }}
   valueFrom: {secretKeyRef: {name: {{ include "tunefleet.rayTokenSecret" . }}, key: auth_token}}
 {{- end }}
 
-{{/* A container's resources (dict "resources" R "root" $), requesting the artifact cache's
-     volume as ephemeral storage where there is object storage to cache, unless R names its own: the scheduler places the pod where
-     the cache fits, and the kubelet does not evict it for the cache it was promised */}}
+{{/* A quantity of bytes as a number: "16Gi" -> 17179869184, "500M" -> 500000000 (the
+     suffixes values.schema.json allows) */}}
+{{- define "tunefleet.bytes" -}}
+{{- $q := toString . }}
+{{- $n := float64 0 }}{{- $matched := false }}
+{{- range $unit, $m := dict "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "Ei" 1152921504606846976 "m" 0.001 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000 "E" 1000000000000000000 }}
+{{- if hasSuffix $unit $q }}{{ $n = mulf (trimSuffix $unit $q | float64) $m }}{{ $matched = true }}{{ end }}
+{{- end }}
+{{- if not $matched }}{{ $n = float64 $q }}{{ end }}
+{{- printf "%.0f" $n }}
+{{- end }}
+
+{{/* A container's resources (dict "resources" R "root" $ "models" M), requesting its cache
+     volumes as ephemeral storage, unless R names its own: the artifact cache where there
+     is object storage to cache, and on Ray pods (M) the model cache where it is on. The
+     scheduler places the pod where the caches fit, and the kubelet does not evict it for
+     the space it was promised */}}
 {{- define "tunefleet.cacheResources" -}}
 {{- $resources := deepCopy (.resources | default dict) }}
-{{- if .root.Values.artifacts.s3.bucket }}
-{{- $_ := set $resources "requests" (merge ($resources.requests | default dict) (dict "ephemeral-storage" .root.Values.artifacts.cacheSize)) }}
+{{- $values := .root.Values }}
+{{- $caches := list }}
+{{- if $values.artifacts.s3.bucket }}{{ $caches = append $caches $values.artifacts.cacheSize }}{{ end }}
+{{- if and .models $values.models.nodeCacheSize }}{{ $caches = append $caches $values.models.nodeCacheSize }}{{ end }}
+{{- if $caches }}
+{{- $size := first $caches }}
+{{- if gt (len $caches) 1 }}
+{{- $bytes := 0 }}{{ range $caches }}{{ $bytes = add $bytes (include "tunefleet.bytes" . | int64) }}{{ end }}
+{{- $size = toString $bytes }}
+{{- end }}
+{{- $_ := set $resources "requests" (merge ($resources.requests | default dict) (dict "ephemeral-storage" $size)) }}
 {{- end }}
 {{- toYaml $resources }}
 {{- end }}

@@ -37,6 +37,13 @@ spec:
         {{- include "tunefleet.storageEnv" $root | nindent 8 }}
         - name: TUNEFLEET_DATA_DIR
           value: /data
+        {{- with $root.Values.models.nodeCacheSize }}
+        # replicas and training workers load base models from this node's copy
+        - name: TUNEFLEET_MODEL_CACHE
+          value: /model-cache/models
+        - name: TUNEFLEET_MODEL_CACHE_SIZE
+          value: {{ . | quote }}
+        {{- end }}
         {{- with $root.Values.ray.extraEnv }}{{ toYaml . | nindent 8 }}{{ end }}
       {{- if .ports }}
       ports:
@@ -90,7 +97,7 @@ spec:
         {{- $_ := set $resources "limits" (merge (dict "nvidia.com/gpu" .gpus) ($resources.limits | default dict)) }}
         {{- $_ := set $resources "requests" (merge (dict "nvidia.com/gpu" .gpus) ($resources.requests | default dict)) }}
         {{- end }}
-        {{- include "tunefleet.cacheResources" (dict "resources" $resources "root" $root) | nindent 8 }}
+        {{- include "tunefleet.cacheResources" (dict "resources" $resources "root" $root "models" true) | nindent 8 }}
       securityContext:
         allowPrivilegeEscalation: false
         # Ray writes its session files under /tmp (a volume) but also beside its own
@@ -100,8 +107,15 @@ spec:
       volumeMounts:
         {{- include "tunefleet.volumeMounts" $root | nindent 8 }}
         - {name: shm, mountPath: /dev/shm}
+        {{- if $root.Values.models.nodeCacheSize }}
+        - {name: model-cache, mountPath: /model-cache}
+        {{- end }}
   volumes:
     {{- include "tunefleet.volumes" $root | nindent 4 }}
+    {{- with $root.Values.models.nodeCacheSize }}
+    - name: model-cache
+      emptyDir: {sizeLimit: {{ . }}}
+    {{- end }}
     # Ray's object store and PyTorch's DataLoader workers use shared memory
     - name: shm
       emptyDir: {medium: Memory, sizeLimit: {{ .group.shmSize }}}

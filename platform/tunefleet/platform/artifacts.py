@@ -234,7 +234,7 @@ class S3Store(Keys):
         self.fs = fs.S3FileSystem(**options)
         # this node's copies (``local_copy``), apart from other stores' copies, readable by
         # this user alone
-        _private_dir(cache_dir)
+        private_dir(cache_dir, setting="TUNEFLEET_ARTIFACT_CACHE")
         self.cache = ArtifactStore(cache_dir / hashlib.sha256(self.url.encode()).hexdigest()[:16])
         self.node_cache = NodeCache(self.cache.root, budget_bytes=int(0.9 * cache_size))
         self.fetched = Fetched()
@@ -385,15 +385,16 @@ class Fetched:
             self.objects += objects
 
 
-def _private_dir(path: Path) -> None:
+def private_dir(path: Path, *, setting: str) -> None:
     """Make ``path`` a folder of this user's alone, or refuse one that is not (a shared
-    temporary folder where another user could have planted files)."""
+    temporary folder where another user could have planted files); ``setting`` names
+    where it comes from."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = path.lstat()
     if path.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise PermissionError(
-            f"the artifact cache {path} must be a folder of this user's alone (mode 0700); "
-            "remove it or set TUNEFLEET_ARTIFACT_CACHE elsewhere"
+            f"the cache {path} must be a folder of this user's alone (mode 0700); "
+            f"remove it or set {setting} elsewhere"
         )
 
 

@@ -12,7 +12,9 @@ registry before deleting it. Both are on the audit log (``base_model.add``,
 
 The registry is a folder every node mounts (the chart's ``models.existingClaim``, a
 ReadWriteMany volume, writable by the API pods): a model added here is at once on every
-node. A registry baked into the image is read-only, and adding to it is refused.
+node, which copies it into its model cache as it first loads it (``model_cache``, with
+``TUNEFLEET_MODEL_CACHE_SIZE`` set). A registry baked into the image is read-only, and
+adding to it is refused.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ file, which a crash of that process releases), and eviction skips whatever it ca
 lock exclusively. Entries (``.entries/``) name each copy's key and size; their mtime is
 the last use. When every copy is pinned, a download goes over the budget, and says so.
 
-The cache folder is this user's alone (``artifacts._private_dir``), and the budget is the
+The cache folder is this user's alone (``artifacts.private_dir``), and the budget is the
 chart's cache volume less a margin (``Settings.artifact_cache_size``).
 """
 

@@ -89,6 +89,21 @@ class Settings(BaseSettings):
         "Copies are evicted, least recently used first and never while in use, to keep "
         "them within 90% of it (the rest is for uploads and downloads in flight).",
     )
+    model_cache: Path | None = Field(
+        default=None,
+        description="Where the processes of a node keep their copies of base models from the "
+        "registry, this user's alone (with model_cache_size set). Default: "
+        "tunefleet-model-cache-UID in the system's temporary folder.",
+    )
+    model_cache_size: int = Field(
+        default=0,
+        ge=0,
+        description="The space the node's model cache may use, in bytes or as a Kubernetes "
+        "quantity (the chart's models.nodeCacheSize, its volume): replicas and training "
+        "workers then load base models from a copy on the node, made once per node and "
+        "evicted least recently used first (never while a replica uses it), instead of "
+        "from the registry's shared volume. 0: models are read from the registry in place.",
+    )
     model_registry: Path | None = Field(
         default=None,
         description="Folder of base models in safetensors form, one sub-folder each. "
@@ -363,7 +378,9 @@ class Settings(BaseSettings):
             self.mlflow_experiment_template, self.wandb_entity_template, self.wandb_project_template
         )
 
-    @field_validator("artifact_cache_size", "serve_adapter_memory", mode="before")
+    @field_validator(
+        "artifact_cache_size", "model_cache_size", "serve_adapter_memory", mode="before"
+    )
     @classmethod
     def _quantity(cls, v: object) -> object:
         return parse_quantity(v) if isinstance(v, str) else v
@@ -417,6 +434,11 @@ class Settings(BaseSettings):
     def resolved_artifact_cache(self) -> Path:
         default = Path(tempfile.gettempdir()) / f"tunefleet-artifact-cache-{os.getuid()}"
         return (self.artifact_cache or default).resolve()
+
+    @property
+    def resolved_model_cache(self) -> Path:
+        default = Path(tempfile.gettempdir()) / f"tunefleet-model-cache-{os.getuid()}"
+        return (self.model_cache or default).resolve()
 
     @property
     def resolved_model_registry(self) -> Path:

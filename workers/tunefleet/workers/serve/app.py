@@ -33,6 +33,7 @@ from ray import serve
 from transformers import AutoTokenizer
 
 from tunefleet.platform.artifacts import cache_of, open_store
+from tunefleet.platform.model_cache import local_model
 from tunefleet.platform.node_cache import Pin
 from tunefleet.platform.serving_contract import (
     ADAPTER_HEADER,
@@ -158,6 +159,10 @@ class LoraServer:
         # adapters come from the artifact store into this node's cache (its own settings say
         # where that is)
         self.store = open_store(**store, **cache_of(get_settings()))
+        # the base model from this node's copy where there is a model cache, pinned while
+        # the replica lives
+        self.model_copy = local_model(model_path, get_settings())
+        model_path = str(self.model_copy.path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.metrics = AdapterMetrics()
         self.precision, why = serving_precision(self.options.precision)

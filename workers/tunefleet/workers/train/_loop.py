@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from tunefleet.platform.artifacts import Keys, cache_of, open_store
+from tunefleet.platform.model_cache import local_model
 from tunefleet.platform.outbound import OutboundPolicy
 from tunefleet.platform.settings import get_settings
 from tunefleet.platform.spec import JobSpec
@@ -261,13 +262,15 @@ class Worker:
         # -- the model -----------------------------------------------------------------
         load_started = time.perf_counter()
         resident_at_start = probe.resident_bytes()
-        tokenizer = AutoTokenizer.from_pretrained(config["model_path"])
-        self.pad_id = (
-            tokenizer.pad_token_id
-            if tokenizer.pad_token_id is not None
-            else (tokenizer.eos_token_id or 0)
-        )
-        self.built = built = build_model(spec, config["model_path"])
+        # from this node's copy of the base model where there is a model cache
+        with local_model(config["model_path"], get_settings()) as model_path:
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.pad_id = (
+                tokenizer.pad_token_id
+                if tokenizer.pad_token_id is not None
+                else (tokenizer.eos_token_id or 0)
+            )
+            self.built = built = build_model(spec, str(model_path))
         # A resumed run loads the method's weights before the model is wrapped or sharded;
         # optimizer and scheduler state once they exist (``resume``).
         self._resume = contextlib.ExitStack()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tunefleet.platform.artifacts import Store, artifact_store
+from tunefleet.platform.model_cache import local_model
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.settings import get_settings
 from tunefleet.platform.spec import INTEGRATION_ENV, JobSpec
@@ -229,11 +230,15 @@ def store_merged(spec: JobSpec, model_path: str, store: Store, reporter: Channel
     from tunefleet.workers.train._methods import merged_model
 
     key = store.merged_key(spec.job_id)
-    with store.pinned_copy(store.adapter_key(spec.job_id)) as adapter:  # kept while read
-        model = merged_model(spec, model_path, adapter)
+    with (
+        store.pinned_copy(store.adapter_key(spec.job_id)) as adapter,  # kept while read
+        local_model(model_path, get_settings()) as base,  # this node's copy, if cached
+    ):
+        model = merged_model(spec, str(base), adapter)
+        tokenizer = AutoTokenizer.from_pretrained(base)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
         store.put_dir(key, Path(tmp))
     reporter.post("message", message=f"Merged model stored at {key}", data={"merged_model": key})
 
