@@ -378,6 +378,30 @@ class AuditList(_Open):
     last_id: str | None
 
 
+class EvalObject(_Open):
+    id: str
+    object: Literal["eval"]
+    name: str
+    created_at: int
+    metadata: dict[str, str]
+    data_source_config: dict[str, Any]
+    testing_criteria: list[dict[str, Any]]
+
+
+class EvalList(_Open):
+    object: Literal["list"]
+    data: list[EvalObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class EvalDeleted(_Open):
+    object: Literal["eval.deleted"]
+    deleted: bool
+    eval_id: str
+
+
 class WebhookEndpointList(_Open):
     object: Literal["list"]
     data: list[WebhookEndpointObject]

@@ -17,7 +17,7 @@ from tunefleet.api._body_limits import BodyLimitMiddleware
 from tunefleet.api._errors import install_error_handlers
 from tunefleet.api._observe import RequestMetrics
 from tunefleet.api._openapi import Health, Readiness, errors, ok, openapi_document
-from tunefleet.api.routes import admin, files, graders, inference, jobs, models, plans
+from tunefleet.api.routes import admin, evals, files, graders, inference, jobs, models, plans
 from tunefleet.api.ui import install as install_dashboard
 from tunefleet.platform.db import session_scope
 from tunefleet.platform.errors import Unauthenticated
@@ -61,7 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_dashboard(app)  # /ui: pages, static files, their security headers
     app.add_middleware(BodyLimitMiddleware, settings=app.state.settings)
     app.add_middleware(RequestMetrics)  # outermost: every answer counted, refusals too
-    for module in (files, jobs, models, inference, plans, graders, admin):
+    for module in (files, jobs, models, inference, plans, graders, evals, admin):
         app.include_router(module.router)
 
     @app.get("/healthz", tags=["ops"], responses=ok(Health))

@@ -250,6 +250,11 @@ def _lookup(root: Any, path: list[str], variable: str) -> Any:
     return value
 
 
+def template_variables(template: str) -> list[str]:
+    """The variables of ``template``: ``item.x``, ``sample.output_text``..."""
+    return [m.group(1) for m in _TEMPLATE.finditer(template)]
+
+
 def render(template: str, item: Any, sample: str) -> str:
     """``template`` with its ``{{ namespace.path }}`` variables put in."""
 

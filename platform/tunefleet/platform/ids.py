@@ -19,6 +19,7 @@ PREFIXES = {
     "delivery": "whdlv",
     "webhook_event": "evt",
     "audit": "audit",
+    "eval": "eval",
 }
 
 

@@ -212,10 +212,7 @@ class JobCreateRequest(BaseModel):
     @field_validator("metadata", mode="before")
     @classmethod
     def _metadata(cls, v: Any) -> Any:
-        """OpenAI's bounds: at most 16 pairs, keys of at most 64 characters, values strings
-        of at most 512; the refusal names the key. (Not an object: pydantic says so.)"""
-        if not isinstance(v, dict):
-            return v
+        return check_metadata(v)
         if len(v) > 16:
             extra = ", ".join(repr(str(k)[:20]) for k in list(v)[16:19])
             raise ValueError(
@@ -746,3 +743,28 @@ def list_events(
         query = query.where(JobEvent.seq < anchor)
     rows = list(session.scalars(query.order_by(JobEvent.seq.desc()).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
+
+
+def check_metadata(v: Any) -> Any:
+    """OpenAI's bounds on ``metadata`` (jobs', evals'): at most 16 pairs, keys of at most
+    64 characters, values strings of at most 512; the refusal names the key. (Not an
+    object: pydantic says so.)"""
+    if not isinstance(v, dict):
+        return v
+    if len(v) > 16:
+        extra = ", ".join(repr(str(k)[:20]) for k in list(v)[16:19])
+        raise ValueError(
+            f"metadata has {len(v)} keys; at most 16 are allowed (remove {extra}"
+            f"{', ...' if len(v) > 19 else ''})"
+        )
+    for key, value in v.items():
+        if len(key) > 64:
+            raise ValueError(f"metadata key {key[:20]!r}... is {len(key)} characters; at most 64")
+        if not isinstance(value, str):
+            raise ValueError(
+                f"metadata value of {key!r} is {json.dumps(value, default=str)[:40]}, "
+                "not a string; values are strings of at most 512 characters"
+            )
+        if len(value) > 512:
+            raise ValueError(f"metadata value of {key!r} is {len(value)} characters; at most 512")
+    return v

@@ -249,6 +249,23 @@ class WebhookEndpoint(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
 
 
+class Eval(Base):
+    """A tenant's eval (``platform/evals.py``): the schema of its items and its testing
+    criteria, in OpenAI's shapes as they are shown."""
+
+    __tablename__ = "evals"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(256), default="")
+    data_source_config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    testing_criteria: Mapped[list[Any]] = mapped_column(JSON)
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    # nanoseconds: a total order for listing and cursors (shown in seconds)
+    created_ns: Mapped[int] = mapped_column(BigInteger)
+    updated_ns: Mapped[int] = mapped_column(BigInteger)
+
+
 class WebhookDelivery(Base):
     """One event for one endpoint: the outbox row written with the job's status change (in
     its transaction), sent by the controller until the endpoint answers 2xx or the
