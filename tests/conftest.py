@@ -64,10 +64,6 @@ def pytest_configure(config: pytest.Config) -> None:
     # clusters each count the machine's memory as theirs: 256 MiB (36 of SmolLM2's r=16
     # q/k/v/o adapters) leaves room for every stack's replicas side by side.
     os.environ["TUNEFLEET_SERVE_ADAPTER_MEMORY"] = "256Mi"
-    # Replicas and training workers load base models from the node's model cache, as on
-    # a cluster whose registry is a shared volume (the chart's models.nodeCacheSize)
-    os.environ["TUNEFLEET_MODEL_CACHE"] = tempfile.mkdtemp(prefix="tfmodels-")
-    os.environ["TUNEFLEET_MODEL_CACHE_SIZE"] = "4Gi"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -84,7 +80,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(os.environ.get("RAY_TMPDIR", ""), ignore_errors=True)
-    shutil.rmtree(os.environ.get("TUNEFLEET_MODEL_CACHE", ""), ignore_errors=True)
 
 
 def auth(key: str) -> dict[str, str]:
