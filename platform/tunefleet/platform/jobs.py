@@ -213,27 +213,6 @@ class JobCreateRequest(BaseModel):
     @classmethod
     def _metadata(cls, v: Any) -> Any:
         return check_metadata(v)
-        if len(v) > 16:
-            extra = ", ".join(repr(str(k)[:20]) for k in list(v)[16:19])
-            raise ValueError(
-                f"metadata has {len(v)} keys; at most 16 are allowed (remove {extra}"
-                f"{', ...' if len(v) > 19 else ''})"
-            )
-        for key, value in v.items():
-            if len(key) > 64:
-                raise ValueError(
-                    f"metadata key {key[:20]!r}... is {len(key)} characters; at most 64"
-                )
-            if not isinstance(value, str):
-                raise ValueError(
-                    f"metadata value of {key!r} is {json.dumps(value, default=str)[:40]}, "
-                    "not a string; values are strings of at most 512 characters"
-                )
-            if len(value) > 512:
-                raise ValueError(
-                    f"metadata value of {key!r} is {len(value)} characters; at most 512"
-                )
-        return v
 
     @model_validator(mode="after")
     def _storable_extras(self) -> JobCreateRequest:
