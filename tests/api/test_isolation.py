@@ -48,19 +48,44 @@ ROUTES = [
         {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]},
     ),
     ("POST", "/v1/completions", {"model": "{model}", "prompt": "hi", "stream": True}),
+    ("GET", "/v1/evals/{eval}", None),
+    ("POST", "/v1/evals/{eval}", {"name": "taken"}),
+    ("DELETE", "/v1/evals/{eval}", None),
+    ("GET", "/v1/evals?after={eval}", None),
 ]
+
+
+AN_EVAL = {
+    "name": "capitals",
+    "data_source_config": {
+        "type": "custom",
+        "item_schema": {"type": "object", "properties": {"answer": {"type": "string"}}},
+    },
+    "testing_criteria": [
+        {
+            "type": "string_check",
+            "name": "exact",
+            "input": "{{item.answer}}",
+            "reference": "Paris",
+            "operation": "eq",
+        }
+    ],
+}
 
 
 @pytest.fixture
 def a_shared(
     app_client: TestClient, key_a: str, settings: Settings, a_objects: dict[str, Any]
 ) -> dict[str, Any]:
-    """``a_objects``, with A's model shared with a third tenant, tenant C."""
+    """``a_objects``, with A's model shared with a third tenant, tenant C, and an eval of
+    A's."""
     make_tenant(settings.resolved_database_url, "tenant-c")
     shares = f"/v1/models/{a_objects['model']}/shares"
     resp = app_client.post(shares, headers=H(key_a), json={"tenant": "tenant-c"})
     assert resp.status_code == 200 and resp.json()["data"] == ["tenant-c"], resp.text
-    return a_objects
+    made = app_client.post("/v1/evals", headers=H(key_a), json=AN_EVAL)
+    assert made.status_code == 200, made.text
+    return {**a_objects, "eval": made.json()["id"]}
 
 
 def a_state(client: TestClient, key_a: str, a: dict[str, Any]) -> dict[str, Any]:
@@ -76,6 +101,8 @@ def a_state(client: TestClient, key_a: str, a: dict[str, Any]) -> dict[str, Any]
         "model": f"/v1/models/{a['model']}",
         "shares": f"/v1/models/{a['model']}/shares",
         "models": "/v1/models",
+        "eval": f"/v1/evals/{a['eval']}",
+        "evals": "/v1/evals",
     }
     state: dict[str, Any] = {}
     for name, url in reads.items():
@@ -184,6 +211,7 @@ def test_tenant_a_still_has_everything(
     assert a_shared["model"] not in [m["id"] for m in listed_b]
     assert [f["id"] for f in app_client.get("/v1/files", headers=H(key_b)).json()["data"]] == [own]
     assert app_client.get("/v1/fine_tuning/jobs", headers=H(key_b)).json()["data"] == []
+    assert app_client.get("/v1/evals", headers=H(key_b)).json()["data"] == []
 
 
 def test_a_plan_on_another_tenants_file_is_the_plan_for_no_file(
