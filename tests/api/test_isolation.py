@@ -17,6 +17,7 @@ from conftest import auth as H
 from tunefleet.platform.db import session_scope
 from tunefleet.platform.settings import Settings
 from tunefleet.platform.status import JobStatus, transition
+from tunefleet.workers._evals import EvalRuns
 
 ROUTES = [
     ("GET", "/v1/files/{file}", None),
@@ -52,7 +53,19 @@ ROUTES = [
     ("POST", "/v1/evals/{eval}", {"name": "taken"}),
     ("DELETE", "/v1/evals/{eval}", None),
     ("GET", "/v1/evals?after={eval}", None),
+    ("GET", "/v1/evals/{eval}/runs", None),
+    ("GET", "/v1/evals/{eval}/runs?after={run}", None),
+    ("GET", "/v1/evals/{eval}/runs/{run}", None),
+    ("GET", "/v1/evals/{eval}/runs/{run}/output_items", None),
+    ("GET", "/v1/evals/{eval}/runs/{run}/output_items/{item}", None),
+    # A's second run waits in the queue: a cancel or delete not checking its owner would show
+    ("POST", "/v1/evals/{eval}/runs/{queued}/cancel", None),
+    ("POST", "/v1/evals/{eval}/runs/{queued}", None),
+    ("DELETE", "/v1/evals/{eval}/runs/{queued}", None),
+    ("DELETE", "/v1/evals/{eval}/runs/{run}", None),
+    ("POST", "/v1/evals/{eval}/runs", {"data_source": {"type": "jsonl", "source": "{items}"}}),
 ]
+A_ITEMS = {"type": "file_content", "content": [{"item": {"answer": "Paris"}}]}
 
 
 AN_EVAL = {
@@ -85,7 +98,27 @@ def a_shared(
     assert resp.status_code == 200 and resp.json()["data"] == ["tenant-c"], resp.text
     made = app_client.post("/v1/evals", headers=H(key_a), json=AN_EVAL)
     assert made.status_code == 200, made.text
-    return {**a_objects, "eval": made.json()["id"]}
+    eval_id = made.json()["id"]
+    runs = f"/v1/evals/{eval_id}/runs"
+    ran, queued = (
+        app_client.post(
+            runs, headers=H(key_a), json={"data_source": {"type": "jsonl", "source": A_ITEMS}}
+        )
+        for _ in range(2)
+    )
+    assert ran.status_code == queued.status_code == 200, ran.text
+    url = settings.resolved_database_url
+    runner = EvalRuns(settings, url, lambda: session_scope(url), lambda base: True)
+    runner.execute(ran.json()["id"])  # the controller's eval step, on this run only
+    items = app_client.get(f"{runs}/{ran.json()['id']}/output_items", headers=H(key_a)).json()
+    assert [i["status"] for i in items["data"]] == ["pass"]
+    return {
+        **a_objects,
+        "eval": eval_id,
+        "run": ran.json()["id"],
+        "queued": queued.json()["id"],
+        "item": items["data"][0]["id"],
+    }
 
 
 def a_state(client: TestClient, key_a: str, a: dict[str, Any]) -> dict[str, Any]:
@@ -103,6 +136,8 @@ def a_state(client: TestClient, key_a: str, a: dict[str, Any]) -> dict[str, Any]
         "models": "/v1/models",
         "eval": f"/v1/evals/{a['eval']}",
         "evals": "/v1/evals",
+        "runs": f"/v1/evals/{a['eval']}/runs",
+        "items": f"/v1/evals/{a['eval']}/runs/{a['run']}/output_items",
     }
     state: dict[str, Any] = {}
     for name, url in reads.items():
@@ -142,6 +177,7 @@ def attempt(
             .replace("{own}", fill["own"])
             .replace("{file}", fill["file"])
             .replace("{model}", fill["model"])
+            .replace('"{items}"', json.dumps(A_ITEMS))
         )
         if body
         else None

@@ -402,6 +402,58 @@ class EvalDeleted(_Open):
     eval_id: str
 
 
+class EvalRunObject(_Open):
+    id: str
+    object: Literal["eval.run"]
+    eval_id: str
+    name: str
+    status: Literal["queued", "in_progress", "completed", "canceled", "failed"]
+    model: str
+    created_at: int
+    data_source: dict[str, Any]
+    metadata: dict[str, str]
+    result_counts: dict[str, int]
+    per_testing_criteria_results: list[dict[str, Any]]
+    per_model_usage: list[dict[str, Any]]
+    error: dict[str, Any] | None
+    report_url: str
+
+
+class EvalRunList(_Open):
+    object: Literal["list"]
+    data: list[EvalRunObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class EvalRunDeleted(_Open):
+    object: Literal["eval.run.deleted"]
+    deleted: bool
+    run_id: str
+
+
+class OutputItemObject(_Open):
+    id: str
+    object: Literal["eval.run.output_item"]
+    run_id: str
+    eval_id: str
+    created_at: int
+    status: Literal["pass", "fail", "error"]
+    datasource_item_id: int
+    datasource_item: dict[str, Any]
+    results: list[dict[str, Any]]
+    sample: dict[str, Any] | None
+
+
+class OutputItemList(_Open):
+    object: Literal["list"]
+    data: list[OutputItemObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class WebhookEndpointList(_Open):
     object: Literal["list"]
     data: list[WebhookEndpointObject]

@@ -20,6 +20,8 @@ PREFIXES = {
     "webhook_event": "evt",
     "audit": "audit",
     "eval": "eval",
+    "eval_run": "evalrun",
+    "output_item": "outputitem",
 }
 
 

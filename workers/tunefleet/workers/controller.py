@@ -16,7 +16,9 @@ Each pass (``Controller.tick``) is a list of steps, each concern in a module of 
 6. stop the Ray jobs of cancelled or paused ones (here);
 7. serving (``_serving.py``): start serving the base of any adapter no run prepared (an
    imported one's); push which adapters are served how to the model servers;
-8. webhooks (``_webhook_sender.py``): send the webhook outbox.
+8. webhooks (``_webhook_sender.py``): send the webhook outbox;
+9. evals (``_evals.py``): start sampling and grading the eval runs that wait, each on a
+   thread of its own, through the serving of step 7.
 
 What the steps share (the fenced session, ``moved_on``, failpoints) is in ``_steps.py``.
 Only the holder of the controller lease (``tunefleet.platform.lease``) runs passes; a
@@ -55,6 +57,7 @@ from tunefleet.platform.status import JobStatus, add_event
 from tunefleet.workers._admission import Admission
 from tunefleet.workers._capacity import CapacityRequests
 from tunefleet.workers._dispatch import Dispatching, run_inputs
+from tunefleet.workers._evals import EvalRuns
 from tunefleet.workers._following import Following
 from tunefleet.workers._serving import Serving
 from tunefleet.workers._steps import PAUSE_GRACE_S, moved_on
@@ -108,6 +111,7 @@ class Controller:
             prefetch=self.serving.prefetch_before_success,
         )
         self.webhooks = WebhookSender(settings, self.db_url, self._writing)
+        self.evals = EvalRuns(settings, self.db_url, self._writing, self.serving.ensure_served)
         self.leading = False
         self.last_round = time.monotonic()  # the end of the loop's last round (``health``)
 
@@ -142,6 +146,7 @@ class Controller:
             self.admission.close()  # a count in progress stops at its next line
             self.serving.close()  # a deploy may never end: not waited for
             self.webhooks.close()
+            self.evals.close()
             if self.lease is not None:
                 self.lease.release()
 
@@ -197,6 +202,7 @@ class Controller:
         self.serving.serve_new_bases()
         self.serving.push()
         self.webhooks.send()
+        self.evals.run()
 
     # -- runs' channels --------------------------------------------------------------
     def _relay_runs(self) -> None:

@@ -18,13 +18,14 @@ from tunefleet.platform.adapter_import import CONFIG, WEIGHTS, unpack_archive
 from tunefleet.platform.datasets import raise_for_report, validate_file
 from tunefleet.platform.db import File, Job, now_s
 from tunefleet.platform.db.paging import ordered_after
-from tunefleet.platform.errors import Conflict, InvalidRequest, NotFound
+from tunefleet.platform.errors import Conflict, InvalidFile, InvalidRequest, NotFound
+from tunefleet.platform.eval_runs import read_jsonl
 from tunefleet.platform.ids import new_id
 from tunefleet.platform.model_check import read_json, tensor_header
 from tunefleet.platform.status import TERMINAL
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
-PURPOSES = {"fine-tune", "adapter"}
+PURPOSES = {"fine-tune", "adapter", "evals"}
 MAX_FILENAME = 512  # files.filename's column
 
 
@@ -47,6 +48,22 @@ def _get(session: SessionDep, principal: PrincipalDep, file_id: str) -> File:
     if f is None or f.tenant_id != principal.tenant_id:
         raise NotFound(f"no file with id {file_id!r}", param="file_id")
     return f
+
+
+def _eval_rows(path: Path, filename: str) -> int:
+    """How many items an ``evals`` file holds: JSONL lines ``{"item": {...}}`` (a
+    ``sample`` too for jsonl runs), checked against an eval's schema when a run reads it."""
+    try:
+        rows = read_jsonl(path.read_text(encoding="utf-8"), filename)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidFile(f"{filename} is not a valid evals file: {exc}", param="file") from None
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict) or not isinstance(row.get("item"), dict):
+            raise InvalidFile(
+                f'{filename} is not a valid evals file: item {n} is not {{"item": {{...}}}}',
+                param="file",
+            )
+    return len(rows)
 
 
 def _adapter_stats(archive: Path, max_bytes: int) -> dict[str, Any]:
@@ -78,8 +95,9 @@ async def upload_file(
 ) -> dict[str, Any]:
     if purpose not in PURPOSES:
         raise InvalidRequest(
-            f"purpose {purpose!r} is not supported; use 'fine-tune' (JSONL training data) "
-            "or 'adapter' (a peft adapter's folder as .tar or .zip)",
+            f"purpose {purpose!r} is not supported; use 'fine-tune' (JSONL training data), "
+            "'evals' (JSONL items of eval runs) or 'adapter' (a peft adapter's folder as "
+            ".tar or .zip)",
             param="purpose",
         )
     filename = file.filename or ("upload.jsonl" if purpose == "fine-tune" else "adapter.tar")
@@ -113,6 +131,10 @@ async def upload_file(
             stats = await anyio.to_thread.run_sync(
                 _adapter_stats, store.local_copy(key), settings.max_upload_bytes
             )
+        elif purpose == "evals":
+            fmt = "evals_jsonl"
+            rows = await anyio.to_thread.run_sync(_eval_rows, store.local_copy(key), filename)
+            stats = {"items": rows}
         else:
             report = await anyio.to_thread.run_sync(validate_file, store.local_copy(key))
             raise_for_report(report, filename)

@@ -13,6 +13,7 @@ from tunefleet.api._deps import PrincipalDep, SettingsDep
 from tunefleet.api._openapi import ok
 from tunefleet.platform import sandbox
 from tunefleet.platform.errors import InvalidRequest
+from tunefleet.platform.eval_runs import python_sandbox
 from tunefleet.platform.graders import MAX_TEXT, Grader, refused_type, run_grader, uses_python
 from tunefleet.platform.settings import Settings
 
@@ -60,10 +61,7 @@ def python_limits(grader: Any, settings: Settings) -> sandbox.Limits | None:
         )
     if why := sandbox.available():
         raise InvalidRequest(f"python graders cannot run here: {why}", param="grader")
-    cpu = settings.python_grader_cpu_s
-    return sandbox.Limits(
-        cpu_s=cpu, wall_s=2 * cpu + 1, memory_bytes=settings.python_grader_memory_mb << 20
-    )
+    return python_sandbox(settings)
 
 
 @router.post("/validate", responses=ok({"description": "The grader, as it will run."}))

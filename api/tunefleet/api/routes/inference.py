@@ -160,7 +160,7 @@ async def close_serve_client() -> None:
         await client.aclose()
 
 
-def _resolve(
+def resolve_model(
     model: str,
     session: Session,
     principal: Principal,
@@ -243,7 +243,7 @@ def _resolve_and_admit(
 ) -> tuple[str, str, Lease | None]:
     """``_resolve``, then admission under the tenant's inference limits (or 429): a model
     the caller may not call is a 404 whatever its limits, and uses none of them."""
-    base, adapter_id = _resolve(model, session, principal, registry, store)
+    base, adapter_id = resolve_model(model, session, principal, registry, store)
     session.close()  # a long generation must not hold a database connection
     lease = admit(
         settings.resolved_database_url,

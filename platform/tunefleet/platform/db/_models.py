@@ -266,6 +266,49 @@ class Eval(Base):
     updated_ns: Mapped[int] = mapped_column(BigInteger)
 
 
+class EvalRun(Base):
+    """A run of an eval (``platform/evals.py``): its items, the model they are sampled
+    from (resolved to a base and an adapter when the run was created), its status and
+    counts. The controller (``workers/_evals.py``) runs it."""
+
+    __tablename__ = "eval_runs"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    eval_id: Mapped[str] = mapped_column(ForeignKey("evals.id", ondelete="CASCADE"), index=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(256), default="")
+    status: Mapped[str] = mapped_column(String(32), index=True)
+    model: Mapped[str] = mapped_column(String(256), default="")  # as the tenant named it
+    base_model: Mapped[str] = mapped_column(String(256), default="")  # "": no generation
+    adapter_id: Mapped[str] = mapped_column(String(64), default="")  # "": the bare base
+    data_source: Mapped[dict[str, Any]] = mapped_column(JSON)  # as shown (no items)
+    items: Mapped[list[Any]] = mapped_column(JSON)  # [{"item": ..., "sample"?: ...}]
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    result_counts: Mapped[dict[str, Any]] = mapped_column(JSON)
+    per_testing_criteria_results: Mapped[list[Any]] = mapped_column(JSON)
+    per_model_usage: Mapped[list[Any]] = mapped_column(JSON)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    created_ns: Mapped[int] = mapped_column(BigInteger)
+    updated_ns: Mapped[int] = mapped_column(BigInteger)
+
+
+class EvalOutputItem(Base):
+    """One item of a run, sampled and graded: written once (unique per run and item), so a
+    run resumed by another controller neither repeats nor loses one."""
+
+    __tablename__ = "eval_output_items"
+    __table_args__ = (Index("uq_eval_output_items_run_item", "run_id", "item_index", unique=True),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("eval_runs.id", ondelete="CASCADE"))
+    item_index: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))  # pass, fail, error
+    datasource_item: Mapped[dict[str, Any]] = mapped_column(JSON)
+    sample: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    results: Mapped[list[Any]] = mapped_column(JSON)
+    created_ns: Mapped[int] = mapped_column(BigInteger)
+
+
 class WebhookDelivery(Base):
     """One event for one endpoint: the outbox row written with the job's status change (in
     its transaction), sent by the controller until the endpoint answers 2xx or the
