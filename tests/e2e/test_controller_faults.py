@@ -21,8 +21,17 @@ from conftest import add_chat_file
 from raycluster import free_port, stop_process
 from raycluster import ray_cluster as start_ray_cluster
 from tunefleet.platform.artifacts import ArtifactStore
-from tunefleet.platform.db import Checkpoint, Job, JobEvent, session_scope
+from tunefleet.platform.db import (
+    Checkpoint,
+    Eval,
+    EvalOutputItem,
+    EvalRun,
+    Job,
+    JobEvent,
+    session_scope,
+)
 from tunefleet.platform.db.migrate import upgrade
+from tunefleet.platform.evals import CustomDataSourceConfig
 from tunefleet.platform.jobs import JobCreateRequest, create_job
 from tunefleet.platform.models import ModelRegistry
 from tunefleet.platform.tenants import authenticate, create_key, create_tenant
@@ -232,6 +241,94 @@ def test_sigkill_at_each_step_of_dispatch_loses_nothing_and_trains_once(
     # the restarted controllers said so on the jobs they found running
     messages = [e.message for job_id in ids for e in _events(platform["url"], job_id)]
     assert any(m.startswith("Controller (term ") and "re-attached" in m for m in messages)
+
+
+def test_sigkill_mid_eval_run_writes_every_output_item_exactly_once(
+    platform: dict[str, Any],
+) -> None:
+    """The controller dies just after it writes a run's first output item (others in
+    flight die with it); the next one finishes the run: every item once, none lost, the
+    ones written before the kill kept as they were."""
+    url, n = platform["url"], 40
+    now = time.time_ns()
+    exact = {
+        "type": "string_check",
+        "name": "exact",
+        "input": "{{sample.output_text}}",
+        "reference": "{{item.answer}}",
+        "operation": "eq",
+    }
+    items = [
+        {"item": {"answer": str(i)}, "sample": {"output_text": str(i if i % 2 else i + 1)}}
+        for i in range(n)
+    ]
+    config = CustomDataSourceConfig(
+        type="custom", item_schema={"type": "object"}, include_sample_schema=True
+    )
+    with session_scope(url) as s:
+        tenant = create_tenant(s, "evalco")
+        s.add(
+            Eval(
+                id="eval-faults",
+                tenant_id=tenant.id,
+                name="odd",
+                data_source_config=config.view(),
+                testing_criteria=[exact],
+                metadata_={},
+                created_ns=now,
+                updated_ns=now,
+            )
+        )
+        s.flush()
+        s.add(
+            EvalRun(
+                id="evalrun-faults",
+                eval_id="eval-faults",
+                tenant_id=tenant.id,
+                name="odd",
+                status="queued",
+                data_source={"type": "jsonl", "source": {"type": "file_content"}},
+                items=items,
+                metadata_={},
+                result_counts={"total": n, "passed": 0, "failed": 0, "errored": 0},
+                per_testing_criteria_results=[],
+                per_model_usage=[],
+                created_ns=now,
+                updated_ns=now,
+            )
+        )
+
+    def written() -> dict[int, str]:
+        with session_scope(url) as s:
+            rows = s.execute(
+                select(EvalOutputItem.item_index, EvalOutputItem.id).where(
+                    EvalOutputItem.run_id == "evalrun-faults"
+                )
+            )
+            return dict(rows.all())
+
+    ctl, _ = _controller(platform, failpoint="evals.after_item")
+    assert ctl.wait(240) == -signal.SIGKILL, "controller did not die after an item"
+    before = written()
+    assert 1 <= len(before) < n, len(before)  # 16 in flight at most: the kill was mid-run
+    ctl, log = _controller(platform)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            with session_scope(url) as s:
+                run = s.get(EvalRun, "evalrun-faults")
+                assert run is not None
+                status, counts = run.status, run.result_counts
+            if status == "completed":
+                break
+            assert time.monotonic() < deadline, (status, log.read_text()[-3000:])
+            time.sleep(0.3)
+    finally:
+        stop_process(ctl)
+    after = written()
+    assert sorted(after) == list(range(n))  # none lost; the unique index: none twice
+    assert {i: after[i] for i in before} == before  # the first leader's rows kept
+    assert counts == {"total": n, "passed": n // 2, "failed": n // 2, "errored": 0}
 
 
 def test_a_full_disk_at_a_checkpoint_fails_the_job_clearly_and_keeps_the_one_before(

@@ -310,6 +310,91 @@ def test_upload_train_serve(stack: dict[str, Any], acme_job: dict[str, Any]) -> 
     _merged_then_multiplexed(client, job, chat, stack)
 
 
+def test_openai_sdk_evals_compare_the_base_and_the_fine_tuned_model_on_real_serving(
+    sdk: Any, acme_job: dict[str, Any]
+) -> None:
+    """An eval through the official SDK, run by the controller on the real serving path:
+    the same questions sampled from the base model and from acme's adapter (one multi-LoRA
+    engine for both), graded, counted and paged; the graders' own routes agree."""
+    tuned = acme_job["job"]["fine_tuned_model"]
+    has_answer = {
+        "type": "string_check",
+        "name": "has the answer",
+        "input": "{{sample.output_text}}",
+        "reference": "{{item.answer}}",
+        "operation": "ilike",
+    }
+    close = {
+        "type": "text_similarity",
+        "name": "close",
+        "input": "{{sample.output_text}}",
+        "reference": "{{item.answer}}",
+        "evaluation_metric": "rouge_l",
+        "pass_threshold": 0.9,
+    }
+    made = sdk.evals.create(
+        name="colors",
+        data_source_config={
+            "type": "custom",
+            "item_schema": {
+                "type": "object",
+                "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
+                "required": ["question", "answer"],
+            },
+            "include_sample_schema": True,
+        },
+        testing_criteria=[has_answer, close],
+    )
+    content = [{"item": {"question": q, "answer": ANSWER}} for q in QUESTIONS]
+
+    def data_source(model: str) -> dict[str, Any]:
+        return {
+            "type": "completions",
+            "model": model,
+            "input_messages": {
+                "type": "template",
+                "template": [{"role": "user", "content": "{{item.question}}"}],
+            },
+            "source": {"type": "file_content", "content": content},
+            "sampling_params": {"temperature": 0, "max_completion_tokens": 8},
+        }
+
+    runs = {
+        m: sdk.evals.runs.create(made.id, name=m, data_source=data_source(m)) for m in (TINY, tuned)
+    }
+    deadline = time.monotonic() + 240
+    while any(r.status in ("queued", "in_progress") for r in runs.values()):
+        assert time.monotonic() < deadline, {m: r.status for m, r in runs.items()}
+        time.sleep(1)
+        runs = {m: sdk.evals.runs.retrieve(r.id, eval_id=made.id) for m, r in runs.items()}
+    assert {r.status for r in runs.values()} == {"completed"}, {m: r.error for m, r in runs.items()}
+    n = len(QUESTIONS)
+    got = runs[tuned].result_counts.model_dump()
+    assert got == {"total": n, "passed": n, "failed": 0, "errored": 0}
+    per = {r.testing_criteria: r.passed for r in runs[TINY].per_testing_criteria_results}
+    assert per == {"has the answer": 0, "close": 0}  # the random base never says it
+    usage = runs[tuned].per_model_usage[0]
+    assert usage.model_name == tuned and usage.invocation_count == n
+    assert usage.completion_tokens > 0
+
+    items = list(sdk.evals.runs.output_items.list(runs[tuned].id, eval_id=made.id, limit=3))
+    assert [i.datasource_item_id for i in items] == list(range(n))
+    assert {i.sample.output[0].content.strip() for i in items} == {ANSWER}
+    assert items[0].sample.input[0].content == QUESTIONS[0]
+    assert {r.name: r.passed for r in items[0].results} == {"has the answer": True, "close": True}
+    base_item = sdk.evals.runs.output_items.list(runs[TINY].id, eval_id=made.id).data[0]
+    assert base_item.status == "fail" and base_item.sample.usage.completion_tokens > 0
+
+    # graders' routes give the same score for the same sample
+    sample = items[0].sample.output[0].content
+    ran = sdk.fine_tuning.alpha.graders.run(
+        grader=has_answer, model_sample=sample, item=items[0].datasource_item
+    )
+    assert ran.reward == 1.0
+    assert sdk.fine_tuning.alpha.graders.validate(grader=close).grader.name == "close"
+    _no_server_errors(sdk)
+
+
 def test_inference_limits_hold_on_real_serving(
     stack: dict[str, Any], acme_job: dict[str, Any]
 ) -> None:

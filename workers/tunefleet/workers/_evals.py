@@ -61,6 +61,7 @@ from tunefleet.platform.serving_contract import (
     serve_secret,
 )
 from tunefleet.platform.settings import Settings
+from tunefleet.workers._steps import failpoint
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +274,8 @@ class EvalRuns:
                 s.flush()
         except IntegrityError:  # written already (a leader before this one): kept as it is
             log.info("eval run %s: item %d was written already", job.run_id, index)
+            return
+        failpoint("evals.after_item")
 
     def _sample(self, job: _RunJob, client: httpx.Client, item: Any) -> dict[str, Any]:
         """The model's answer to the item's messages, as OpenAI's output item holds it; an
